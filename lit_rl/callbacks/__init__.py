@@ -1,0 +1,5 @@
+"""Callbacks: checkpoint export (and later weight sync and online evals)."""
+
+from lit_rl.callbacks.export import HFExport
+
+__all__ = ["HFExport"]

@@ -1,0 +1,117 @@
+"""HFExport: writes `weights/step_<N>/` HF checkpoints while training runs.
+
+Every `every_n_steps` optimizer steps and after the last step, the full model is
+written as safetensors with its config, tokenizer, chat template and generation
+config, following the STABLE protocol of the run directory (lit_rl/run_dir.py), so
+`from_pretrained`, vLLM and the evaluator can read it while training goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from transformers import AutoTokenizer
+
+from lit_rl.modules.model_loading import resolve_dtype
+from lit_rl.run_dir import STABLE, step_dir, weights_dir
+
+log = logging.getLogger(__name__)
+
+
+def _fsync_tree(path: Path) -> None:
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+
+
+class HFExport(L.Callback):
+    def __init__(self, every_n_steps: int | None = None, keep_last: int | None = None, dtype: str | None = None):
+        """
+        Args:
+            every_n_steps: export every N optimizer steps; None exports only after the last step.
+            keep_last: keep this many newest step directories; None keeps all.
+            dtype: dtype of the saved weights (float32, bfloat16, float16); default: training dtype.
+        """
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"HFExport.every_n_steps must be >= 1 or None, got {every_n_steps}")
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"HFExport.keep_last must be >= 1 or None, got {keep_last}")
+        self.every_n_steps, self.keep_last = every_n_steps, keep_last
+        self.dtype = resolve_dtype(dtype) if dtype else None
+        self.last_exported: int | None = None
+
+    # ---- when ----------------------------------------------------------------------------------
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if self.every_n_steps and step % self.every_n_steps == 0 and step != self.last_exported:
+            self.export(trainer, pl_module, step)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.global_step != self.last_exported:
+            self.export(trainer, pl_module, trainer.global_step)
+
+    # ---- what ----------------------------------------------------------------------------------
+    def full_state_dict(self, trainer, pl_module) -> dict[str, torch.Tensor]:
+        """Collective: every rank takes part in gathering; rank 0 gets the full tensors."""
+        model = pl_module.model
+        if trainer.world_size > 1:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        else:
+            state = model.state_dict()
+        cast = self.dtype
+        return {k: (v.to(cast) if cast and v.is_floating_point() else v).detach().cpu().contiguous() for k, v in state.items()}
+
+    def export(self, trainer, pl_module, step: int) -> Path:
+        """Collective under multi-process strategies; rank 0 writes."""
+        state = self.full_state_dict(trainer, pl_module)
+        root = Path(trainer.default_root_dir)
+        final = step_dir(root, step)
+        if trainer.is_global_zero:
+            self._write(pl_module, state, final)
+            self._apply_retention(root)
+        trainer.strategy.barrier("hf_export")
+        self.last_exported = step
+        return final
+
+    def _write(self, pl_module, state: dict[str, torch.Tensor], final: Path) -> None:
+        tmp = final.with_name(f".{final.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            tmp.mkdir(parents=True)
+            model = pl_module.model
+            model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            if self.dtype is not None:
+                import json
+
+                cfg = json.loads((tmp / "config.json").read_text())
+                cfg["dtype"] = cfg["torch_dtype"] = str(self.dtype).removeprefix("torch.")
+                (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+            AutoTokenizer.from_pretrained(
+                pl_module.tokenizer_name, trust_remote_code=pl_module.trust_remote_code
+            ).save_pretrained(tmp)
+            _fsync_tree(tmp)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            (final / STABLE).touch()
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise OSError(f"HFExport: could not write {final}: {e}") from e
+        rank_zero_info(f"exported {final}")
+
+    def _apply_retention(self, root: Path) -> None:
+        if self.keep_last is None:
+            return
+        from lit_rl.run_dir import stable_steps
+
+        steps = stable_steps(root)
+        for step in list(steps)[: max(0, len(steps) - self.keep_last)]:
+            shutil.rmtree(steps[step], ignore_errors=True)

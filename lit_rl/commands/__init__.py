@@ -1,0 +1,1 @@
+"""lit-rl subcommands that are not Lightning trainer entry points."""

@@ -1,0 +1,238 @@
+"""StaticDataModule: replays a static HF dataset for SFT.
+
+Each batch it yields is one optimizer step: `batch_size` rows (split over ranks),
+rendered with the chat template to assistant-only masks, packed into micro-batches
+under `micro_batch_tokens`. See docs/data.md for formats and masking rules.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from lit_rl.data.render import RenderError, render_messages
+from lit_rl.data.rows import RowError, detect_format
+from lit_rl.data.sampler import StepBatchSampler
+from lit_rl.data.sources import open_split
+from lit_rl.data.steps import BadRowError, RowRenderer, StepDataset
+
+PACKING_MODES = ("padded", "packed")
+BAD_ROW_POLICIES = ("error", "skip")
+
+
+class StaticDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        path: str,
+        subset: str | None = None,
+        split: str = "train",
+        data_files: str | list[str] | None = None,
+        val_path: str | None = None,
+        val_split: str | None = None,
+        messages_column: str = "messages",
+        prompt_column: str = "prompt",
+        completion_column: str = "completion",
+        tools_column: str = "tools",
+        max_examples: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        batch_size: int = 32,
+        micro_batch_tokens: int = 8192,
+        packing: str = "padded",
+        pack_length: int | None = None,
+        max_length: int = 2048,
+        bad_rows: str = "error",
+        num_workers: int = 1,
+        tokenizer: str | None = None,
+        trust_remote_code: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ):
+        """
+        Args:
+            path: hub dataset name, local json/jsonl/parquet/csv file (globs allowed), or a
+                ``save_to_disk`` directory.
+            subset: hub dataset configuration name.
+            split: split to train on (hub datasets; local files are one split).
+            data_files: passed to ``datasets.load_dataset`` for hub-style loading.
+            val_path: file(s) of a held-out split for ``validate`` and validation during fit.
+            val_split: a split of ``path`` to validate on instead.
+            messages_column: column with a list of chat messages.
+            prompt_column: with ``completion_column``, the prompt/completion format (each cell
+                a string or a list of messages); used when there is no messages column.
+            completion_column: see ``prompt_column``.
+            tools_column: optional column of tool definitions (OpenAI or bare function shape,
+                or JSON text as in ``tool_defs`` columns).
+            max_examples: use only the first N rows.
+            shuffle: shuffle rows, with a new order each epoch drawn from ``seed``.
+            seed: shuffle seed.
+            batch_size: rows per optimizer step, over all ranks.
+            micro_batch_tokens: token slots per micro-batch (rows x longest row); bounds memory.
+            packing: ``padded`` (one sample per row, grouped by length) or ``packed`` (several
+                samples per row, no attention across them).
+            pack_length: row length in ``packed`` mode; defaults to ``micro_batch_tokens``.
+            max_length: longer samples are cut to this many tokens (and counted as truncated).
+            bad_rows: ``error`` stops at a bad row naming it; ``skip`` counts and logs it.
+            num_workers: DataLoader worker processes that render the next steps.
+            tokenizer: tokenizer name or path; defaults to the model's.
+            trust_remote_code: allow tokenizer code from the hub. Off by default.
+            chat_template_kwargs: extra variables for the chat template (e.g. enable_thinking).
+        """
+        super().__init__()
+        self.path, self.subset, self.split, self.data_files = path, subset, split, data_files
+        self.val_path, self.val_split = val_path, val_split
+        self.columns = {
+            "messages_column": messages_column,
+            "prompt_column": prompt_column,
+            "completion_column": completion_column,
+            "tools_column": tools_column,
+        }
+        self.max_examples, self.shuffle, self.seed = max_examples, shuffle, seed
+        self.batch_size, self.micro_batch_tokens, self.packing = batch_size, micro_batch_tokens, packing
+        self.pack_length, self.max_length, self.bad_rows = pack_length, max_length, bad_rows
+        self.num_workers, self.tokenizer_name = num_workers, tokenizer
+        self.trust_remote_code, self.chat_template_kwargs = trust_remote_code, chat_template_kwargs
+        self._train: StepDataset | None = None
+        self._val: StepDataset | None = None
+        self._sampler: StepBatchSampler | None = None
+        self._consumed: tuple[int, int] | None = None  # (epoch, step) of the last trained batch
+        self._resume: tuple[int, int] | None = None
+
+    # ---- set-up and validation ---------------------------------------------------------------
+    def option_problems(self) -> list[str]:
+        problems = []
+        if self.packing not in PACKING_MODES:
+            problems.append(f"data.packing must be one of {PACKING_MODES}, got {self.packing!r}")
+        if self.bad_rows not in BAD_ROW_POLICIES:
+            problems.append(f"data.bad_rows must be one of {BAD_ROW_POLICIES}, got {self.bad_rows!r}")
+        if self.batch_size < 1:
+            problems.append(f"data.batch_size must be >= 1, got {self.batch_size}")
+        if self.max_length > self.micro_batch_tokens:
+            problems.append(
+                f"data.max_length ({self.max_length}) exceeds data.micro_batch_tokens ({self.micro_batch_tokens}): "
+                "a long sample would not fit a micro-batch"
+            )
+        if self.packing == "packed" and self.pack_length is not None and self.pack_length < self.max_length:
+            problems.append(f"data.pack_length ({self.pack_length}) must be >= data.max_length ({self.max_length})")
+        if self.val_path and self.val_split:
+            problems.append("give data.val_path or data.val_split, not both")
+        return problems
+
+    def resolve_tokenizer(self) -> str:
+        if self.tokenizer_name:
+            return self.tokenizer_name
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        name = getattr(module, "tokenizer_name", None)
+        if not name:
+            raise ValueError("StaticDataModule: no tokenizer; set data.tokenizer or use a lit-rl model module")
+        return name
+
+    def _renderer(self, path: str, split: str, problems: list[str], what: str) -> RowRenderer | None:
+        try:
+            rows = open_split(path, subset=self.subset, split=split, data_files=self.data_files, max_examples=self.max_examples)
+        except Exception as e:  # noqa: BLE001 - reported with the rest, naming the source
+            problems.append(f"{what}: cannot load {path!r} (split {split!r}): {type(e).__name__}: {e}")
+            return None
+        if len(rows) == 0:
+            problems.append(f"{what}: {path!r} split {split!r} has no rows")
+            return None
+        try:
+            row_format = detect_format(rows.column_names, **{k: self.columns[k] for k in self.columns if k != "tools_column"})
+        except ValueError as e:
+            problems.append(f"{what}: {e}")
+            return None
+        renderer = RowRenderer(
+            rows,
+            tokenizer=self.resolve_tokenizer(),
+            row_format=row_format,
+            columns=self.columns,
+            max_length=self.max_length,
+            trust_remote_code=self.trust_remote_code,
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
+        try:  # the template must be able to attribute tokens; find out now, not at step 1000
+            renderer.sample(0)
+        except BadRowError as e:
+            cause = e.__cause__
+            if isinstance(cause, RenderError) or self.bad_rows != "skip":
+                problems.append(f"{what}: {e}")
+        return renderer
+
+    def setup(self, stage: str | None = None) -> None:
+        if self._train is not None or self._val is not None:
+            return
+        problems = self.option_problems()
+        world = self.trainer.world_size if self.trainer is not None else 1
+        if world > 1 and self.batch_size % world:
+            problems.append(f"data.batch_size ({self.batch_size}) must be divisible by the number of ranks ({world})")
+        train = self._renderer(self.path, self.split, problems, "train data") if stage in (None, "fit") else None
+        val_source = self.val_path or (self.path if self.val_split else None)
+        val = None
+        if val_source is not None and stage in (None, "fit", "validate"):
+            val = self._renderer(val_source, self.val_split or "train", problems, "validation data")
+        if stage == "validate" and val_source is None:
+            problems.append("validate needs held-out data: set data.val_path or data.val_split")
+        if train is not None and len(train.rows) < self.batch_size:
+            problems.append(f"train data has {len(train.rows)} rows, fewer than data.batch_size ({self.batch_size})")
+        if problems:
+            raise ValueError("StaticDataModule: " + str(len(problems)) + " problem(s):\n  - " + "\n  - ".join(problems))
+        make = lambda r: StepDataset(  # noqa: E731
+            r, micro_batch_tokens=self.micro_batch_tokens, packing=self.packing, pack_length=self.pack_length, bad_rows=self.bad_rows
+        )
+        self._train = make(train) if train is not None else None
+        self._val = make(val) if val is not None else None
+        if train is not None:
+            rank_zero_info(f"train data: {len(train.rows)} rows ({train.row_format}) from {self.path}")
+
+    # ---- loaders -------------------------------------------------------------------------
+    def _loader(self, dataset: StepDataset, sampler: StepBatchSampler) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(
+            dataset,
+            sampler=sampler,
+            batch_size=None,  # each sampler item is a whole step; the dataset packs it
+            collate_fn=_identity,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def _rank(self) -> tuple[int, int]:
+        if self.trainer is None:
+            return 0, 1
+        return self.trainer.global_rank, self.trainer.world_size
+
+    def train_dataloader(self):
+        rank, world = self._rank()
+        self._sampler = StepBatchSampler(
+            len(self._train.renderer.rows), self.batch_size, shuffle=self.shuffle, seed=self.seed, rank=rank, world_size=world
+        )
+        if self._resume is not None:
+            self._sampler.resume_at(*self._resume)
+        return self._loader(self._train, self._sampler)
+
+    def val_dataloader(self):
+        if self._val is None:
+            return []
+        rank, world = self._rank()
+        rows = len(self._val.renderer.rows)
+        batch = max(world, min(self.batch_size, rows) // world * world)
+        return self._loader(self._val, StepBatchSampler(rows, batch, shuffle=False, rank=rank, world_size=world))
+
+    # ---- data position for exact resume -------------------------------------------------------
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        if self.trainer is not None and self.trainer.training:
+            self._consumed = tuple(batch["position"])
+        return batch
+
+    def state_dict(self) -> dict:
+        if self._consumed is None:
+            return dict(self._resume and {"epoch": self._resume[0], "step_in_epoch": self._resume[1]} or {})
+        epoch, step = self._consumed
+        return {"epoch": epoch, "step_in_epoch": step + 1}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            self._resume = (int(state["epoch"]), int(state["step_in_epoch"]))
+
+
+def _identity(item):
+    return item

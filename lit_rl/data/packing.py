@@ -1,0 +1,97 @@
+"""Packing samples into micro-batches under a token budget.
+
+Two layouts share one builder:
+- `padded`: one sample per row, rows padded on the right to the longest row of the
+  micro-batch (samples are grouped by length first, so little is padded).
+- `packed`: several samples per row, up to `pack_length` tokens, with `position_ids`
+  restarting at each document. transformers turns restarting position ids into a
+  block-diagonal causal mask (forward with `use_cache=False` and no attention mask),
+  so no token attends across documents.
+A micro-batch holds rows while `rows * longest_row <= micro_batch_tokens`.
+Right padding needs no attention mask: causal attention never lets a real token see
+the padding after it, and padding is never a target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lit_rl.data.samples import Sample
+
+PAD_ID = 0  # any id works: padded slots are never targets and come after every real token of their row
+
+
+def _rows_padded(samples: Sequence[Sample]) -> list[list[Sample]]:
+    return [[s] for s in sorted(samples, key=len, reverse=True)]
+
+
+def _rows_packed(samples: Sequence[Sample], pack_length: int) -> list[list[Sample]]:
+    """First-fit decreasing: few rows, each at most `pack_length` tokens."""
+    rows: list[list[Sample]] = []
+    room: list[int] = []
+    for s in sorted(samples, key=len, reverse=True):
+        for i, free in enumerate(room):
+            if len(s) <= free:
+                rows[i].append(s)
+                room[i] -= len(s)
+                break
+        else:
+            rows.append([s])
+            room.append(pack_length - len(s))
+    return rows
+
+
+def _to_tensors(rows: list[list[Sample]]) -> dict[str, torch.Tensor]:
+    width = max(sum(len(s) for s in row) for row in rows)
+    input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for r, row in enumerate(rows):
+        at = 0
+        for s in row:
+            n = len(s)
+            input_ids[r, at : at + n] = torch.tensor(s.input_ids)
+            position_ids[r, at : at + n] = torch.arange(n)
+            mask = torch.tensor(s.loss_mask, dtype=torch.bool)
+            mask[0] = False  # a document's first token has nothing of its own to be predicted from
+            loss_mask[r, at : at + n] = mask
+            at += n
+        # padding continues as its own document so it never joins the last real one
+        position_ids[r, at:] = torch.arange(width - at)
+    return {"input_ids": input_ids, "position_ids": position_ids, "loss_mask": loss_mask}
+
+
+def pack_micro_batches(
+    samples: Sequence[Sample], *, micro_batch_tokens: int, mode: str = "padded", pack_length: int | None = None
+) -> list[dict[str, torch.Tensor]]:
+    """Lay `samples` out as micro-batches of at most `micro_batch_tokens` slots each."""
+    if mode not in ("padded", "packed"):
+        raise ValueError(f"packing mode must be 'padded' or 'packed', got {mode!r}")
+    if not samples:
+        return []
+    longest = max(len(s) for s in samples)
+    pack_length = pack_length or micro_batch_tokens
+    if longest > micro_batch_tokens or (mode == "packed" and longest > pack_length):
+        raise ValueError(
+            f"a sample of {longest} tokens does not fit micro_batch_tokens={micro_batch_tokens}"
+            + (f" / pack_length={pack_length}" if mode == "packed" else "")
+            + "; raise the budget or lower max_length"
+        )
+    rows = _rows_padded(samples) if mode == "padded" else _rows_packed(samples, pack_length)
+    batches, current, width = [], [], 0
+    for row in rows:  # rows come longest first, so `width` is set by the first row of each batch
+        row_len = sum(len(s) for s in row)
+        if current and (len(current) + 1) * max(width, row_len) > micro_batch_tokens:
+            batches.append(_to_tensors(current))
+            current, width = [], 0
+        current.append(row)
+        width = max(width, row_len)
+    batches.append(_to_tensors(current))
+    return batches
+
+
+def padding_fraction(micro_batches: Sequence[dict[str, torch.Tensor]], real_tokens: int) -> float:
+    slots = sum(mb["input_ids"].numel() for mb in micro_batches)
+    return 0.0 if slots == 0 else 1.0 - real_tokens / slots

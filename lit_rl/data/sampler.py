@@ -1,0 +1,54 @@
+"""StepBatchSampler: which rows make up each optimizer step, resumably.
+
+One item of this sampler is one optimizer step's rows for this rank. Order is a
+pure function of (seed, epoch), so the position within an epoch is all the state a
+resumed run needs to continue without skipping or repeating a row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+
+class StepBatchSampler:
+    def __init__(
+        self, num_rows: int, batch_size: int, *, shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1
+    ):
+        if batch_size % world_size:
+            raise ValueError(f"batch_size={batch_size} must be divisible by the number of ranks ({world_size})")
+        if num_rows < batch_size:
+            raise ValueError(f"the split has {num_rows} rows, fewer than one batch (batch_size={batch_size})")
+        self.num_rows, self.batch_size, self.shuffle, self.seed = num_rows, batch_size, shuffle, seed
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self._resume_epoch, self._resume_step = None, 0
+
+    def __len__(self) -> int:
+        return self.num_rows // self.batch_size  # the last partial batch is dropped: every step has batch_size rows
+
+    def set_epoch(self, epoch: int) -> None:
+        """Lightning calls this before each epoch; each epoch has its own shuffle."""
+        self.epoch = epoch
+
+    def resume_at(self, epoch: int, step_in_epoch: int) -> None:
+        self._resume_epoch, self._resume_step = epoch, step_in_epoch
+
+    def order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_rows))
+        gen = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_rows, generator=gen).tolist()
+
+    def __iter__(self) -> Iterator[tuple[int, int, list[int]]]:
+        """Yields (epoch, step_in_epoch, row indices of this rank)."""
+        epoch, first = self.epoch, 0
+        if self._resume_epoch == epoch:
+            first = self._resume_step
+        self._resume_epoch, self._resume_step = None, 0
+        order = self.order(epoch)
+        per_rank = self.batch_size // self.world_size
+        for step in range(first, len(self)):
+            rows = order[step * self.batch_size : (step + 1) * self.batch_size]
+            yield epoch, step, rows[self.rank * per_rank : (self.rank + 1) * per_rank]

@@ -1,0 +1,39 @@
+"""Opening a dataset split with `datasets`: a hub name (with subset and split), local
+json/jsonl/parquet/csv files, or a directory written by `Dataset.save_to_disk`.
+
+Rows stay Arrow-backed (memory-mapped): nothing is tokenised here.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import datasets
+
+_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+
+
+def _local_builder(path: str) -> str | None:
+    for ext, builder in _BUILDERS.items():
+        if path.endswith(ext) and glob.glob(path):
+            return builder
+    return None
+
+
+def open_split(
+    path: str, *, subset: str | None = None, split: str = "train", data_files=None, max_examples: int | None = None
+) -> datasets.Dataset:
+    builder = _local_builder(path)
+    if builder is not None:
+        # Local files: `datasets` calls every file's rows the "train" split.
+        ds = datasets.load_dataset(builder, data_files=path, split="train")
+    elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
+        ds = datasets.load_from_disk(path)
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds[split]
+    else:
+        ds = datasets.load_dataset(path, subset, split=split, data_files=data_files)
+    if max_examples is not None:
+        ds = ds.select(range(min(max_examples, len(ds))))
+    return ds

@@ -1,0 +1,6 @@
+"""LightningModules: one readable file per algorithm on top of a shared causal-LM base."""
+
+from lit_rl.modules.base import CausalLMModule
+from lit_rl.modules.sft import SFT
+
+__all__ = ["CausalLMModule", "SFT"]

@@ -1,0 +1,84 @@
+"""The real `lit-rl` entry point, run as users run it (a subprocess)."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import REPO, reverse_rows, write_jsonl
+
+LIT_RL = [sys.executable, "-m", "lit_rl.cli"]
+CONFIG = str(REPO / "examples" / "reverse_text" / "sft.yaml")
+
+
+def run(args, env=None, timeout=600):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run(LIT_RL + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def fit_args(tmp_path, data, steps=3):
+    return [
+        "fit", "--config", CONFIG,
+        "--data.init_args.path", data,
+        "--data.init_args.num_workers", "0",
+        "--data.init_args.batch_size", "8",
+        "--trainer.default_root_dir", str(tmp_path / "run"),
+        "--trainer.max_steps", str(steps),
+    ]
+
+
+def metrics_rows(root: Path):
+    (path,) = sorted(root.glob("logs/version_*/metrics.csv"))[-1:]
+    return list(csv.DictReader(open(path)))
+
+
+@pytest.mark.slow
+def test_fit_runs_end_to_end_and_reruns_into_same_dir(tmp_path):
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(40))
+    args = fit_args(tmp_path, data) + ["--trainer.log_every_n_steps", "1"]
+    first = run(args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    rows = [r for r in metrics_rows(tmp_path / "run") if r.get("train/loss")]
+    assert [int(r["step"]) for r in rows] == [0, 1, 2]
+    for name in ("train/loss", "train/tokens", "train/tokens_per_s", "train/lr", "train/grad_norm", "train/padding_fraction"):
+        assert float(rows[-1][name]) >= 0.0, name
+    assert (tmp_path / "run" / "weights" / "step_3" / "STABLE").is_file()
+    # a second run into the same directory must not trip over the saved config
+    second = run(args)
+    assert second.returncode == 0, second.stderr[-3000:]
+
+
+def test_print_config_shows_overrides_and_env(tmp_path):
+    out = run(
+        ["fit", "--config", CONFIG, "--data.init_args.batch_size", "8", "--print_config"],
+        env={"LIT_RL_FIT__TRAINER__MAX_EPOCHS": "7"},  # env fills fields the config leaves at defaults
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    config = yaml.safe_load(out.stdout)
+    assert config["data"]["init_args"]["batch_size"] == 8
+    assert config["trainer"]["max_epochs"] == 7
+    assert config["model"]["class_path"] == "lit_rl.modules.SFT"
+    assert config["model"]["init_args"]["trust_remote_code"] is False
+
+
+def test_bad_flag_is_reported(tmp_path):
+    out = run(["fit", "--config", CONFIG, "--data.init_args.no_such_field", "1"])
+    assert out.returncode != 0
+    assert "no_such_field" in out.stderr
+
+
+def test_data_preview_text_and_json(tmp_path):
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(6))
+    text = run(["data", "preview", "--config", CONFIG, "--rows", "2", "--data.init_args.path", data])
+    assert text.returncode == 0, text.stderr[-2000:]
+    first = reverse_rows(1)[0]["messages"][1]["content"]
+    assert f"[[{first}<|im_end|>]]" in text.stdout
+    js = run(["data", "preview", "--config", CONFIG, "--rows", "3", "--json", "--data.init_args.path", data])
+    lines = [json.loads(line) for line in js.stdout.splitlines() if line.startswith("{")]
+    assert [line["row"] for line in lines] == [0, 1, 2]
+    assert all(len(line["input_ids"]) == len(line["loss_mask"]) and any(line["loss_mask"]) for line in lines)

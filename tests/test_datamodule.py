@@ -1,0 +1,117 @@
+"""StaticDataModule on real files: formats, start-up validation, bad rows, lazy rendering."""
+
+import json
+
+import datasets
+import pytest
+
+from lit_rl.data.datamodules import StaticDataModule
+from lit_rl.data.sampler import StepBatchSampler
+from helpers import TINY_MODEL, reverse_rows, write_jsonl
+
+
+def dm_for(path, **kw):
+    kw = {"batch_size": 4, "num_workers": 0, "tokenizer": TINY_MODEL, "max_length": 128, "micro_batch_tokens": 512, **kw}
+    return StaticDataModule(path, **kw)
+
+
+def first_batch(dm):
+    dm.setup("fit")
+    return next(iter(dm.train_dataloader()))
+
+
+def test_messages_jsonl_yields_whole_steps(tmp_path):
+    dm = dm_for(write_jsonl(tmp_path / "t.jsonl", reverse_rows(12)), shuffle=False)
+    batch = first_batch(dm)
+    assert batch["stats"]["rows"] == 4
+    assert batch["position"] == (0, 0)
+    assert sum(int(mb["loss_mask"].sum()) for mb in batch["micro_batches"]) > 0
+
+
+def test_prompt_completion_parquet_with_tools(tmp_path):
+    rows = [
+        {"prompt": "what is 6*7?", "completion": "42", "tools": json.dumps([{"name": "calc", "parameters": {"type": "object"}}])},
+        {"prompt": "say hi", "completion": json.dumps([{"role": "assistant", "content": "hi"}]), "tools": None},
+    ] * 2
+    path = str(tmp_path / "pc.parquet")
+    datasets.Dataset.from_list(rows).to_parquet(path)
+    dm = dm_for(path, shuffle=False, max_length=1024, micro_batch_tokens=2048)
+    dm.setup("fit")
+    renderer = dm._train.renderer
+    s0 = renderer.sample(0)
+    tok = renderer.tokenizer
+    trained = tok.decode([t for t, m in zip(s0.input_ids, s0.loss_mask) if m])
+    assert trained == "42<|im_end|>"  # the text "42" stays text, not a decoded JSON number
+    assert '"name": "calc"' in tok.decode(s0.input_ids)  # the tool definition is rendered as context
+    s1 = renderer.sample(1)
+    assert tok.decode([t for t, m in zip(s1.input_ids, s1.loss_mask) if m]) == "hi<|im_end|>"
+
+
+def test_startup_reports_every_problem_in_one_error(tmp_path):
+    path = write_jsonl(tmp_path / "x.jsonl", [{"question": "q", "answer": "a"}] * 4)
+    dm = dm_for(path, packing="zigzag", bad_rows="ignore", max_length=9999)
+    with pytest.raises(ValueError) as err:
+        dm.setup("fit")
+    msg = str(err.value)
+    assert "4 problem(s)" in msg
+    for needle in ("data.packing", "data.bad_rows", "data.max_length", "messages"):
+        assert needle in msg
+    assert "question" in msg  # the columns that were found are listed
+
+
+def test_empty_split_is_an_error(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    with pytest.raises(ValueError, match="no rows|cannot load"):
+        dm_for(str(path)).setup("fit")
+
+
+def test_bad_row_names_index_and_column_or_is_skipped(tmp_path):
+    rows = reverse_rows(8)
+    rows[2] = {"messages": [{"role": "user", "content": "no answer"}, {"role": "wizard", "content": "?"}]}
+    path = write_jsonl(tmp_path / "bad.jsonl", rows)
+    dm = dm_for(path, shuffle=False)
+    with pytest.raises(ValueError, match=r"row 2.*messages"):
+        first_batch(dm)
+    dm = dm_for(path, shuffle=False, bad_rows="skip")
+    batch = first_batch(dm)
+    assert batch["stats"]["skipped_rows"] == 1 and batch["stats"]["rows"] == 3
+
+
+def test_rows_are_rendered_lazily(tmp_path, monkeypatch):
+    dm = dm_for(write_jsonl(tmp_path / "t.jsonl", reverse_rows(40)))
+    dm.setup("fit")
+    seen = []
+    original = dm._train.renderer.sample
+    monkeypatch.setattr(dm._train.renderer, "sample", lambda i: seen.append(i) or original(i))
+    next(iter(dm.train_dataloader()))
+    assert len(seen) == 4  # one step's rows, not the split
+
+
+def test_sampler_resume_and_ranks():
+    full = [rows for _, _, rows in StepBatchSampler(20, 4, seed=3)]
+    resumed = StepBatchSampler(20, 4, seed=3)
+    resumed.resume_at(0, 2)
+    assert [rows for _, _, rows in resumed] == full[2:]
+    ranks = [list(StepBatchSampler(20, 4, seed=3, rank=r, world_size=2)) for r in (0, 1)]
+    for (_, _, a), (_, _, b), whole in zip(ranks[0], ranks[1], full):
+        assert sorted(a + b) == sorted(whole) and not set(a) & set(b)
+    other_epoch = StepBatchSampler(20, 4, seed=3)
+    other_epoch.set_epoch(1)
+    assert [r for _, _, r in other_epoch] != full
+
+
+def test_assistant_turns_inside_a_prompt_are_context(tmp_path):
+    fewshot = [
+        {"role": "user", "content": "abc"},
+        {"role": "assistant", "content": "cba"},
+        {"role": "user", "content": "xyz"},
+    ]
+    path = write_jsonl(tmp_path / "fs.jsonl", [{"prompt": fewshot, "completion": "zyx"}] * 4)
+    dm = dm_for(path, shuffle=False)
+    dm.setup("fit")
+    renderer = dm._train.renderer
+    s = renderer.sample(0)
+    trained = renderer.tokenizer.decode([t for t, m in zip(s.input_ids, s.loss_mask) if m])
+    assert trained == "zyx<|im_end|>"
+    assert "cba" in renderer.tokenizer.decode(s.input_ids)

@@ -1,0 +1,74 @@
+"""One SFT optimizer step through the real Trainer: the loss is CE over trained tokens
+divided by the trained tokens of the whole step, so the update does not depend on the
+micro-batch split or the layout (gradient-accumulation invariance)."""
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lit_rl.data.datamodules import StaticDataModule
+from lit_rl.data.render import render_messages
+from lit_rl.modules.sft import SFT
+from helpers import TINY_MODEL, reverse_rows, write_jsonl
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=1.0)
+
+
+def one_step(data_file, *, micro_batch_tokens, packing, batch_size=8):
+    L.seed_everything(0)
+    module = SFT(model=TINY_MODEL, random_init=True, optimizer=sgd, max_grad_norm=None)
+    dm = StaticDataModule(
+        data_file, batch_size=batch_size, shuffle=False, micro_batch_tokens=micro_batch_tokens,
+        packing=packing, max_length=64, num_workers=0,
+    )
+    trainer = L.Trainer(
+        max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+    )
+    module.configure_model()
+    initial = copy.deepcopy(module.model)
+    trainer.fit(module, datamodule=dm)
+    return initial, module, trainer.callback_metrics
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("sft") / "train.jsonl", reverse_rows(16))
+
+
+def hand_loss(model, tokenizer, rows):
+    """Sum of CE over every trained token of every row, over the count of trained tokens."""
+    total, count = 0.0, 0
+    model.eval()
+    with torch.no_grad():
+        for row in rows:
+            r = render_messages(tokenizer, row["messages"])
+            ids = torch.tensor([r.input_ids])
+            logits = model(input_ids=ids, use_cache=False).logits[0]
+            for t in range(1, len(r.input_ids)):
+                if r.loss_mask[t]:
+                    total += F.cross_entropy(logits[t - 1], ids[0, t]).item()
+                    count += 1
+    return total / count, count
+
+
+def test_loss_is_mean_over_trained_tokens_of_the_step(data_file, tokenizer):
+    initial, _, metrics = one_step(data_file, micro_batch_tokens=4096, packing="padded")
+    want, count = hand_loss(initial, tokenizer, reverse_rows(8))
+    assert metrics["train/loss"].item() == pytest.approx(want, abs=1e-5)
+    assert metrics["train/tokens"].item() == count
+
+
+def test_update_is_invariant_to_micro_batch_split_and_layout(data_file):
+    _, reference, _ = one_step(data_file, micro_batch_tokens=4096, packing="padded")
+    for budget, packing in [(64, "padded"), (64, "packed"), (128, "packed")]:
+        _, other, metrics = one_step(data_file, micro_batch_tokens=budget, packing=packing)
+        for (name, a), b in zip(reference.model.named_parameters(), other.model.parameters()):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=f"{name} differs with {budget}/{packing}")
+        # the small budgets really did split the step into several micro-batches
+        assert metrics["train/micro_batches"].item() > 1
