@@ -82,3 +82,11 @@ def test_data_preview_text_and_json(tmp_path):
     lines = [json.loads(line) for line in js.stdout.splitlines() if line.startswith("{")]
     assert [line["row"] for line in lines] == [0, 1, 2]
     assert all(len(line["input_ids"]) == len(line["loss_mask"]) and any(line["loss_mask"]) for line in lines)
+
+
+@pytest.mark.parametrize("config", sorted(str(p) for p in [*REPO.glob("configs/*.yaml"), *REPO.glob("examples/*/*.yaml")]))
+def test_shipped_configs_parse(config):
+    out = run(["fit", "--config", config, "--print_config"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    parsed = yaml.safe_load(out.stdout)
+    assert parsed["model"]["class_path"].startswith("lit_rl.") and parsed["data"]["class_path"].startswith("lit_rl.")
