@@ -12,7 +12,11 @@ from __future__ import annotations
 import sys
 
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from lit_rl.callbacks import checkpoint
 
 from lit_rl.modules.base import CausalLMModule
 
@@ -28,6 +32,8 @@ class LitRLCLI(LightningCLI):
     - Lightning must not swap the sampler: lit-rl datamodules shard their own steps.
     - The saved config of an earlier run in the same directory is overwritten.
     - Logs go to a CSVLogger under `default_root_dir/logs` unless a logger is given.
+    - Resumable checkpoints go to `default_root_dir/checkpoints/last.ckpt` (RunCheckpoint)
+      unless the config brings its own ModelCheckpoint or disables checkpointing.
     """
 
     def __init__(self, *args, **kwargs):
@@ -55,6 +61,13 @@ class LitRLCLI(LightningCLI):
             }
 
 
+    def _instantiate_trainer(self, config, callbacks):
+        given = [*(config.get("callbacks") or []), *callbacks]
+        if config.get("enable_checkpointing") is not False and not any(isinstance(c, ModelCheckpoint) for c in given):
+            callbacks = [*callbacks, checkpoint.RunCheckpoint()]
+        return super()._instantiate_trainer(config, callbacks)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] in EXTRA_COMMANDS:
@@ -62,7 +75,11 @@ def main(argv: list[str] | None = None) -> None:
 
         importlib.import_module(EXTRA_COMMANDS[args[0]]).main(args[1:])
         return
-    LitRLCLI(args=argv)  # None: LightningCLI reads sys.argv itself
+    try:
+        LitRLCLI(args=argv)  # None: LightningCLI reads sys.argv itself
+    except SIGTERMException:
+        # stopped by SIGTERM or Ctrl-C after saving a resumable checkpoint
+        raise SystemExit(128 + int(checkpoint.stopped_by or 15)) from None
 
 
 if __name__ == "__main__":

@@ -33,3 +33,39 @@ def stable_steps(root: str | Path) -> dict[int, Path]:
         if m and (child / STABLE).is_file():
             found[int(m.group(1))] = child
     return dict(sorted(found.items()))
+
+
+LEASE_PREFIX = "LEASE."
+
+
+def step_of(path: Path) -> int | None:
+    m = _STEP.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def in_use(step_path: str | Path) -> bool:
+    """A consumer (e.g. the evaluator) holds a lease on this step directory."""
+    return any(p.name.startswith(LEASE_PREFIX) for p in Path(step_path).glob(LEASE_PREFIX + "*"))
+
+
+class lease:
+    """Context manager a consumer holds while it reads a step directory, so that
+    retention (`HFExport.keep_last`) does not delete it underneath."""
+
+    def __init__(self, step_path: str | Path, owner: str):
+        self.path = Path(step_path) / f"{LEASE_PREFIX}{owner}"
+
+    def __enter__(self) -> Path:
+        self.path.touch()
+        return self.path.parent
+
+    def __exit__(self, *exc) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def unfinished(root: str | Path) -> list[Path]:
+    """Leftovers of interrupted exports: temporary directories and step directories without STABLE."""
+    wdir = weights_dir(root)
+    if not wdir.is_dir():
+        return []
+    return [p for p in wdir.iterdir() if p.is_dir() and (p.name.endswith(".tmp") or (step_of(p) is not None and not (p / STABLE).is_file()))]

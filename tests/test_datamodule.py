@@ -96,9 +96,12 @@ def test_sampler_resume_and_ranks():
     ranks = [list(StepBatchSampler(20, 4, seed=3, rank=r, world_size=2)) for r in (0, 1)]
     for (_, _, a), (_, _, b), whole in zip(ranks[0], ranks[1], full):
         assert sorted(a + b) == sorted(whole) and not set(a) & set(b)
-    other_epoch = StepBatchSampler(20, 4, seed=3)
-    other_epoch.set_epoch(1)
-    assert [r for _, _, r in other_epoch] != full
+    sampler = StepBatchSampler(20, 4, seed=3)
+    first, second = list(sampler), list(sampler)  # each iteration is the next data epoch, reshuffled
+    assert [e for e, _, _ in first + second] == [0] * 5 + [1] * 5
+    assert [r for _, _, r in second] != full and sorted(sum((r for _, _, r in second), [])) == list(range(20))
+    resumed.resume_at(0, 5)  # a checkpoint taken at the end of an epoch resumes with the next one
+    assert [e for e, _, _ in resumed][0] == 1
 
 
 def test_assistant_turns_inside_a_prompt_are_context(tmp_path):

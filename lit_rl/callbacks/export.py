@@ -19,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from transformers import AutoTokenizer
 
 from lit_rl.modules.model_loading import resolve_dtype
-from lit_rl.run_dir import STABLE, step_dir, weights_dir
+from lit_rl.run_dir import STABLE, in_use, stable_steps, step_dir, unfinished
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,10 @@ def _fsync_tree(path: Path) -> None:
         for name in files:
             with open(os.path.join(root, name), "rb") as f:
                 os.fsync(f.fileno())
+
+
+class ExportError(OSError):
+    """Writing a step directory failed (disk full, unwritable directory); earlier steps are intact."""
 
 
 class HFExport(L.Callback):
@@ -46,6 +50,28 @@ class HFExport(L.Callback):
         self.every_n_steps, self.keep_last = every_n_steps, keep_last
         self.dtype = resolve_dtype(dtype) if dtype else None
         self.last_exported: int | None = None
+
+    # ---- a run's start: the weights/ directory must describe this run only ------------------------
+    def on_train_start(self, trainer, pl_module) -> None:
+        """Fresh run: remove steps an earlier run left in this root. Resume: remove only the
+        steps past the resume point (they belong to a future this run will rewrite)."""
+        root = Path(trainer.default_root_dir)
+        resumed = trainer.ckpt_path is not None
+        if trainer.is_global_zero:
+            stale = [p for s, p in stable_steps(root).items() if not resumed or s > trainer.global_step] + unfinished(root)
+            for path in stale:
+                shutil.rmtree(path, ignore_errors=True)
+            if stale:
+                why = f"past the resume step {trainer.global_step}" if resumed else "from an earlier run (fresh start)"
+                rank_zero_info(f"HFExport: removed {len(stale)} exported step(s) {why}: {', '.join(p.name for p in stale)}")
+        trainer.strategy.barrier("hf_export_start")
+        if trainer.global_step in stable_steps(root):
+            self.last_exported = trainer.global_step  # resumed exactly at an exported step
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if trainer.is_global_zero:  # never leave a half-written step behind
+            for path in unfinished(trainer.default_root_dir):
+                shutil.rmtree(path, ignore_errors=True)
 
     # ---- when ----------------------------------------------------------------------------------
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -102,16 +128,20 @@ class HFExport(L.Callback):
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             (final / STABLE).touch()
-        except OSError as e:
+        except Exception as e:  # safetensors reports I/O failures as its own error type
             shutil.rmtree(tmp, ignore_errors=True)
-            raise OSError(f"HFExport: could not write {final}: {e}") from e
+            raise ExportError(f"HFExport: could not write {final}: {type(e).__name__}: {e}") from e
         rank_zero_info(f"exported {final}")
+
+    def in_use(self, path: Path) -> bool:
+        """Whether a consumer still needs this step directory; retention never deletes it then.
+        Default: a lease file is present (`lit_rl.run_dir.lease`). Override to add rules."""
+        return in_use(path)
 
     def _apply_retention(self, root: Path) -> None:
         if self.keep_last is None:
             return
-        from lit_rl.run_dir import stable_steps
-
         steps = stable_steps(root)
-        for step in list(steps)[: max(0, len(steps) - self.keep_last)]:
-            shutil.rmtree(steps[step], ignore_errors=True)
+        for step in list(steps)[: max(0, len(steps) - self.keep_last)]:  # the newest are never candidates
+            if not self.in_use(steps[step]):
+                shutil.rmtree(steps[step], ignore_errors=True)

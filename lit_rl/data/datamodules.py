@@ -7,12 +7,14 @@ under `micro_batch_tokens`. See docs/data.md for formats and masking rules.
 
 from __future__ import annotations
 
+import warnings
+
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_rl.data.render import RenderError, render_messages
-from lit_rl.data.rows import RowError, detect_format
+from lit_rl.data.render import RenderError
+from lit_rl.data.rows import detect_format
 from lit_rl.data.sampler import StepBatchSampler
 from lit_rl.data.sources import open_split
 from lit_rl.data.steps import BadRowError, RowRenderer, StepDataset
@@ -95,7 +97,8 @@ class StaticDataModule(L.LightningDataModule):
         self._train: StepDataset | None = None
         self._val: StepDataset | None = None
         self._sampler: StepBatchSampler | None = None
-        self._consumed: tuple[int, int] | None = None  # (epoch, step) of the last trained batch
+        self._trained: tuple[int, int] | None = None  # (epoch, step) of the last batch trained on
+        self._pending: tuple[tuple[int, int], int] | None = None  # (position, global_step when handed over)
         self._resume: tuple[int, int] | None = None
 
     # ---- set-up and validation ---------------------------------------------------------------
@@ -220,18 +223,28 @@ class StaticDataModule(L.LightningDataModule):
     # ---- data position for exact resume -------------------------------------------------------
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         if self.trainer is not None and self.trainer.training:
-            self._consumed = tuple(batch["position"])
+            self._settle_pending()
+            self._pending = (tuple(batch["position"]), self.trainer.global_step)
         return batch
 
+    def _settle_pending(self) -> None:
+        """A handed-over batch counts as trained only once its optimizer step has happened, so a
+        run stopped in the middle of a step resumes with that step's rows, not after them."""
+        if self._pending is not None and self.trainer is not None and self.trainer.global_step > self._pending[1]:
+            self._trained, self._pending = self._pending[0], None
+
     def state_dict(self) -> dict:
-        if self._consumed is None:
-            return dict(self._resume and {"epoch": self._resume[0], "step_in_epoch": self._resume[1]} or {})
-        epoch, step = self._consumed
+        self._settle_pending()
+        if self._trained is None:
+            return {"epoch": self._resume[0], "step_in_epoch": self._resume[1]} if self._resume else {}
+        epoch, step = self._trained
         return {"epoch": epoch, "step_in_epoch": step + 1}
 
     def load_state_dict(self, state: dict) -> None:
         if state:
             self._resume = (int(state["epoch"]), int(state["step_in_epoch"]))
+            # Lightning cannot see that this datamodule resumes mid-epoch by itself.
+            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
 
 
 def _identity(item):

@@ -1,8 +1,12 @@
 """StepBatchSampler: which rows make up each optimizer step, resumably.
 
 One item of this sampler is one optimizer step's rows for this rank. Order is a
-pure function of (seed, epoch), so the position within an epoch is all the state a
-resumed run needs to continue without skipping or repeating a row.
+pure function of (seed, epoch), so the position (data epoch, step in it) is all the
+state a resumed run needs to continue without skipping or repeating a row.
+
+The sampler counts data epochs itself instead of following Lightning's epoch number:
+a checkpoint written when `max_steps` stops a run mid-epoch records Lightning's epoch
+as finished, so a resumed run's Lightning epoch can be one ahead of the data.
 """
 
 from __future__ import annotations
@@ -22,18 +26,13 @@ class StepBatchSampler:
             raise ValueError(f"the split has {num_rows} rows, fewer than one batch (batch_size={batch_size})")
         self.num_rows, self.batch_size, self.shuffle, self.seed = num_rows, batch_size, shuffle, seed
         self.rank, self.world_size = rank, world_size
-        self.epoch = 0
-        self._resume_epoch, self._resume_step = None, 0
+        self.epoch, self.step = 0, 0  # where the next iteration starts
 
     def __len__(self) -> int:
         return self.num_rows // self.batch_size  # the last partial batch is dropped: every step has batch_size rows
 
-    def set_epoch(self, epoch: int) -> None:
-        """Lightning calls this before each epoch; each epoch has its own shuffle."""
-        self.epoch = epoch
-
     def resume_at(self, epoch: int, step_in_epoch: int) -> None:
-        self._resume_epoch, self._resume_step = epoch, step_in_epoch
+        self.epoch, self.step = (epoch + 1, 0) if step_in_epoch >= len(self) else (epoch, step_in_epoch)
 
     def order(self, epoch: int) -> list[int]:
         if not self.shuffle:
@@ -42,11 +41,10 @@ class StepBatchSampler:
         return torch.randperm(self.num_rows, generator=gen).tolist()
 
     def __iter__(self) -> Iterator[tuple[int, int, list[int]]]:
-        """Yields (epoch, step_in_epoch, row indices of this rank)."""
-        epoch, first = self.epoch, 0
-        if self._resume_epoch == epoch:
-            first = self._resume_step
-        self._resume_epoch, self._resume_step = None, 0
+        """Yields (epoch, step_in_epoch, row indices of this rank) for the rest of the current
+        data epoch; the next iteration (Lightning's next epoch) starts the next data epoch."""
+        epoch, first = self.epoch, self.step
+        self.epoch, self.step = epoch + 1, 0
         order = self.order(epoch)
         per_rank = self.batch_size // self.world_size
         for step in range(first, len(self)):

@@ -83,6 +83,32 @@ class CausalLMModule(L.LightningModule):
         if self.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
+    # ---- checkpoints must match the model they are loaded into ------------------------------------
+    ARCHITECTURE_KEYS = (
+        "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
+    )
+
+    def _architecture(self) -> dict:
+        config = self.model.config.to_dict()
+        return {k: config.get(k) for k in self.ARCHITECTURE_KEYS if k in config}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["lit_rl"] = {"model": self.model_name, "architecture": self._architecture()}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Refuse, before anything is loaded or trained, a checkpoint of another architecture."""
+        saved = checkpoint.get("lit_rl")
+        if saved is None:
+            raise ValueError("this checkpoint was not written by lit-rl (no 'lit_rl' entry); cannot resume from it")
+        ours = self._architecture()
+        diff = {k: (saved["architecture"].get(k), ours.get(k)) for k in ours if saved["architecture"].get(k) != ours.get(k)}
+        if diff:
+            lines = ", ".join(f"{k}: checkpoint {a} vs model {b}" for k, (a, b) in diff.items())
+            raise ValueError(
+                f"checkpoint is of another model ({saved['model']}) than this run's ({self.model_name}): {lines}"
+            )
+
     def logits(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
         # use_cache=False: only then does transformers read packed documents from position_ids.
         out = self.model(input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"], use_cache=False)

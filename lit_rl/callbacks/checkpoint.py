@@ -1,0 +1,112 @@
+"""RunCheckpoint: resumable Lightning checkpoints in `<default_root_dir>/checkpoints/`.
+
+`last.ckpt` (model, optimizer, scheduler, step, data position) is written every
+`every_n_train_steps` optimizer steps, after the last step, and when the run is
+stopped by SIGTERM or Ctrl-C, so `lit-rl fit ... --ckpt_path last` resumes exactly.
+The file is written under a temporary name and renamed: a kill mid-write never leaves
+a truncated `last.ckpt`.
+
+Ctrl-C is made graceful: the first press finishes the current optimizer step, saves and
+exits (code 130); a second press aborts at once. SIGTERM does the same (code 143).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from weakref import proxy
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+#: the signal that stopped the last run gracefully (read by `lit_rl.cli.main` for the exit code)
+stopped_by: int | None = None
+
+
+class RunCheckpoint(ModelCheckpoint):
+    def __init__(self, dirpath: str | None = None, every_n_train_steps: int | None = 100, **kwargs):
+        """
+        Args:
+            dirpath: where checkpoints go; default ``<default_root_dir>/checkpoints``.
+            every_n_train_steps: refresh ``last.ckpt`` every N optimizer steps (None: only at
+                the end and on SIGTERM / Ctrl-C).
+            **kwargs: other ``ModelCheckpoint`` arguments (``save_top_k`` defaults to 0 here:
+                only ``last.ckpt`` is kept).
+        """
+        kwargs.setdefault("save_top_k", 0)
+        super().__init__(dirpath=dirpath, save_last=True, every_n_train_steps=every_n_train_steps, **kwargs)
+        self._previous_sigint = None
+
+    def _default_dirpath(self, trainer) -> None:
+        if self.dirpath is None:
+            self.dirpath = os.path.join(trainer.default_root_dir, "checkpoints")
+
+    def _find_last_checkpoints(self, trainer):  # `--ckpt_path last` looks here before setup
+        self._default_dirpath(trainer)
+        return super()._find_last_checkpoints(trainer)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._default_dirpath(trainer)
+        super().setup(trainer, pl_module, stage)
+
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        partial = filepath + ".part"
+        trainer.save_checkpoint(partial, self.save_weights_only)
+        if trainer.is_global_zero:
+            os.replace(partial, filepath)
+        trainer.strategy.barrier("run_checkpoint")
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(self))
+
+    def _save_last_now(self, trainer) -> None:
+        if self._last_global_step_saved != trainer.global_step or not self._last_checkpoint_saved:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        n = self._every_n_train_steps
+        if n and trainer.global_step % n == 0:
+            self._save_last_now(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._save_last_now(trainer)
+        self._restore_sigint()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        pass  # last.ckpt follows optimizer steps, not validation
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        pass
+
+    # ---- graceful stops ----------------------------------------------------------------------
+    def on_train_start(self, trainer, pl_module) -> None:
+        global stopped_by
+        stopped_by = None
+
+        def first_ctrl_c(signum, frame):
+            global stopped_by
+            stopped_by = signal.SIGINT
+            rank_zero_info("\nCtrl-C: finishing this step, saving a checkpoint, then stopping (Ctrl-C again aborts now)")
+            trainer._signal_connector.received_sigterm = True  # Lightning stops at the end of the step
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+        try:
+            self._previous_sigint = signal.signal(signal.SIGINT, first_ctrl_c)
+        except ValueError:  # not the main thread: leave Ctrl-C alone
+            self._previous_sigint = None
+
+    def _restore_sigint(self) -> None:
+        if self._previous_sigint is not None:
+            signal.signal(signal.SIGINT, self._previous_sigint)
+            self._previous_sigint = None
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        global stopped_by
+        self._restore_sigint()
+        if isinstance(exception, SIGTERMException):
+            stopped_by = stopped_by or signal.SIGTERM
+            self._save_last_now(trainer)
+            rank_zero_info(f"stopped at step {trainer.global_step}; resumable checkpoint: {self._last_checkpoint_saved}")

@@ -1,0 +1,94 @@
+"""HFExport: exact, complete, STABLE-marked HF checkpoints; retention; failures that name the path."""
+
+import json
+import resource
+import signal
+
+import lightning as L
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lit_rl.callbacks import HFExport
+from lit_rl.data.datamodules import StaticDataModule
+from lit_rl.modules.sft import SFT
+from lit_rl.run_dir import lease, stable_steps, step_dir, unfinished
+from helpers import TINY_MODEL, reverse_rows, write_jsonl
+
+
+def train(tmp_path, steps, callbacks, **trainer_kw):
+    L.seed_everything(0)
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(32))
+    module = SFT(model=TINY_MODEL, random_init=True, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    dm = StaticDataModule(data, batch_size=4, num_workers=0, max_length=64, micro_batch_tokens=256)
+    trainer = L.Trainer(
+        max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, default_root_dir=str(tmp_path / "run"),
+        callbacks=callbacks, **trainer_kw,
+    )
+    trainer.fit(module, datamodule=dm)
+    return module, tmp_path / "run"
+
+
+def test_export_is_exact_complete_and_marked(tmp_path):
+    module, root = train(tmp_path, 3, [HFExport(every_n_steps=2)])
+    assert sorted(stable_steps(root)) == [2, 3]  # every 2 steps, and after the last one
+    final = step_dir(root, 3)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja", "generation_config.json", "STABLE"):
+        assert (final / name).is_file(), name
+    loaded = AutoModelForCausalLM.from_pretrained(final).eval()
+    module.model.eval()
+    ids = torch.tensor([AutoTokenizer.from_pretrained(final)("hello world").input_ids])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, module.model(ids).logits, atol=1e-6, rtol=0)
+    # tied embeddings round-trip: one stored tensor, the same values in both places
+    assert loaded.get_output_embeddings().weight.data_ptr() == loaded.get_input_embeddings().weight.data_ptr()
+    with safe_open(final / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float32
+
+
+def test_export_in_requested_dtype(tmp_path):
+    _, root = train(tmp_path, 1, [HFExport(dtype="bfloat16")])
+    final = step_dir(root, 1)
+    with safe_open(final / "model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert json.loads((final / "config.json").read_text())["dtype"] == "bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(final).dtype == torch.bfloat16
+
+
+def test_keep_last_spares_leased_steps_and_fresh_run_cleans_up(tmp_path):
+    export = HFExport(every_n_steps=1, keep_last=5)
+    _, root = train(tmp_path, 3, [export])
+    assert sorted(stable_steps(root)) == [1, 2, 3]
+    export.keep_last = 1
+    with lease(step_dir(root, 1), "evaluator"):  # a consumer (the evaluator, later) holds step 1
+        export._apply_retention(root)
+        assert sorted(stable_steps(root)) == [1, 3]  # spared while leased; the newest always kept
+    export._apply_retention(root)
+    assert sorted(stable_steps(root)) == [3]
+    # a fresh run into the same root starts from an empty weights/ (leftovers of all kinds go)
+    (root / "weights" / "step_9").mkdir()
+    (root / "weights" / ".step_10.tmp").mkdir()
+    train(tmp_path, 2, [HFExport(every_n_steps=1)])
+    assert sorted(stable_steps(root)) == [1, 2] and not unfinished(root)
+
+
+def test_failed_export_names_the_path_and_keeps_earlier_steps(tmp_path):
+    """A real write failure: the file-size limit makes the weights file too large to write."""
+    export = HFExport(every_n_steps=1)
+    module, root = train(tmp_path, 1, [export])
+    size = (step_dir(root, 1) / "model.safetensors").stat().st_size
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size // 2, hard))
+    try:
+        with pytest.raises(OSError, match=r"weights/step_2"):
+            export.export(module.trainer, module, 2)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+    assert sorted(stable_steps(root)) == [1] and not unfinished(root)
+    assert AutoModelForCausalLM.from_pretrained(step_dir(root, 1)) is not None

@@ -1,0 +1,130 @@
+"""Exact resume through the real CLI: resume == uninterrupted, graceful SIGTERM / Ctrl-C,
+resume at max_steps, and bad checkpoints refused before anything is overwritten."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lit_rl.run_dir import stable_steps, unfinished
+from helpers import REPO, TINY_MODEL, reverse_rows, write_jsonl
+from test_cli import CONFIG, metrics_rows, run
+
+pytestmark = pytest.mark.slow
+
+
+def fit(root, data, steps, *extra, **popen):
+    return [
+        "fit", "--config", CONFIG,
+        "--data.init_args.path", data, "--data.init_args.num_workers", "0", "--data.init_args.batch_size", "8",
+        "--trainer.default_root_dir", str(root), "--trainer.max_steps", str(steps), "--trainer.log_every_n_steps", "1",
+        *extra,
+    ]
+
+
+def losses(root: Path) -> dict[int, float]:
+    out = {}
+    for path in sorted(root.glob("logs/version_*/metrics.csv")):
+        for row in __import__("csv").DictReader(open(path)):
+            if row.get("train/loss"):
+                out[int(row["step"])] = float(row["train/loss"])
+    return out
+
+
+def snapshot(root: Path) -> dict[str, float]:
+    """Every file under weights/ and checkpoints/ with its modification time."""
+    return {str(p): p.stat().st_mtime_ns for d in ("weights", "checkpoints") for p in (root / d).rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("resume")
+    data = write_jsonl(tmp / "train.jsonl", reverse_rows(20))  # 2 steps of 8 rows per epoch: resume crosses epochs
+    straight, split = tmp / "straight", tmp / "split"
+    for args in (fit(straight, data, 6), fit(split, data, 3)):
+        out = run(args)
+        assert out.returncode == 0, out.stderr[-3000:]
+    out = run(fit(split, data, 6, "--ckpt_path", "last"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return tmp, data, straight, split
+
+
+def test_resume_equals_uninterrupted(runs):
+    _, _, straight, split = runs
+    a, b = losses(straight), losses(split)
+    assert sorted(a) == sorted(b) == list(range(6))
+    assert [b[s] for s in range(6)] == [a[s] for s in range(6)]  # bitwise on CPU
+    wa = load_file(straight / "weights" / "step_6" / "model.safetensors")
+    wb = load_file(split / "weights" / "step_6" / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_resume_at_max_steps_ends_at_once(runs):
+    _, data, _, split = runs
+    before = snapshot(split)
+    trained = losses(split)
+    out = run(fit(split, data, 6, "--ckpt_path", "last"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert losses(split) == trained  # no step was trained
+    assert {k: v for k, v in snapshot(split).items() if "weights" in k} == {k: v for k, v in before.items() if "weights" in k}
+
+
+def test_missing_checkpoint_is_refused_before_anything_changes(runs):
+    _, data, _, split = runs
+    before = snapshot(split)
+    missing = str(split / "checkpoints" / "nope.ckpt")
+    out = run(fit(split, data, 8, "--ckpt_path", missing))
+    assert out.returncode != 0
+    assert "nope.ckpt" in out.stderr
+    assert snapshot(split) == before
+
+
+def test_checkpoint_of_another_model_is_refused(runs, tmp_path):
+    _, data, _, split = runs
+    other = tmp_path / "other_model"
+    other.mkdir()
+    for f in Path(TINY_MODEL).iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    config = json.loads((other / "config.json").read_text())
+    config["hidden_size"] = 128
+    (other / "config.json").write_text(json.dumps(config))
+    before = snapshot(split)
+    out = run(fit(split, data, 8, "--ckpt_path", "last", "--model.init_args.model", str(other)))
+    assert out.returncode != 0
+    assert "another model" in out.stderr and "hidden_size: checkpoint 256 vs model 128" in out.stderr
+    assert snapshot(split) == before
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_saves_a_resumable_checkpoint(tmp_path, sig, code):
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(64))
+    root = tmp_path / "run"
+    args = fit(root, data, 10_000, "--trainer.callbacks+=lit_rl.callbacks.HFExport",
+               "--trainer.callbacks.every_n_steps=1")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "lit_rl.cli", *args], cwd=REPO, env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while 3 not in stable_steps(root):
+            assert proc.poll() is None and time.time() < deadline, "training did not reach step 3"
+            time.sleep(0.2)
+        os.killpg(proc.pid, sig)  # as a terminal's Ctrl-C or a scheduler's SIGTERM: the whole group
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == code, output[-3000:]
+    ckpt = torch.load(root / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    assert ckpt["global_step"] >= 3
+    assert not unfinished(root)  # no half-written step directory
+    out = run(fit(root, data, ckpt["global_step"] + 1, "--ckpt_path", "last"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert max(losses(root)) == ckpt["global_step"]  # exactly one more step, numbered after the saved ones
