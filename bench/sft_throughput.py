@@ -73,6 +73,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet-wait", type=float, default=20.0,
                    help="before each run, wait up to this many seconds for other processes to leave the CPU")
+    p.add_argument("--max-foreign", type=float, default=0.25,
+                   help="a run during which other processes used more cores than this on average is redone")
+    p.add_argument("--retries", type=int, default=2, help="redos of a disturbed run (the last try is kept anyway)")
     p.add_argument("--json", default=None, help="also write the JSON summary to this file")
     args = p.parse_args(argv)
     args.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
@@ -436,16 +439,16 @@ def summarize(args, runs: dict[str, list[dict]], elapsed: float, rows_checked: i
         names = [n for n in contenders if n.startswith(prefix)]
         return max(names, key=lambda n: contenders[n]["tokens_per_s_median"]) if names else None
 
-    lit, plain, trl = best("lit_"), best("plain_"), best("trl_")
+    lit, plain, trl_best = best("lit_"), best("plain_"), best("trl_")
     ratios, targets = {}, {}
     if lit and f"plain_{lit[4:]}" in contenders:
         same_batches = f"plain_{lit[4:]}"
         ratios["lit_vs_plain"] = contenders[lit]["tokens_per_s_median"] / contenders[same_batches]["tokens_per_s_median"]
         ratios["lit_vs_plain_pair"] = [lit, same_batches]
         targets["lit_ge_0.85x_plain"] = ratios["lit_vs_plain"] >= 0.85
-    if lit and trl:
-        ratios["lit_vs_trl_best"] = contenders[lit]["tokens_per_s_median"] / contenders[trl]["tokens_per_s_median"]
-        ratios["lit_vs_trl_pair"] = [lit, trl]
+    if lit and trl_best:
+        ratios["lit_vs_trl_best"] = contenders[lit]["tokens_per_s_median"] / contenders[trl_best]["tokens_per_s_median"]
+        ratios["lit_vs_trl_pair"] = [lit, trl_best]
         targets["lit_ge_1.5x_trl"] = ratios["lit_vs_trl_best"] >= 1.5
     if "lit_padded" in contenders and "lit_packed" in contenders:
         ratios["lit_padded_vs_packed"] = contenders["lit_padded"]["tokens_per_s_median"] / contenders["lit_packed"]["tokens_per_s_median"]
@@ -473,7 +476,7 @@ def summarize(args, runs: dict[str, list[dict]], elapsed: float, rows_checked: i
         "same_trained_tokens_every_step": same_tokens,
         "trl_mask_rows_checked": rows_checked,
         "contenders": contenders,
-        "best": {"lit": lit, "plain": plain, "trl": trl},
+        "best": {"lit": lit, "plain": plain, "trl": trl_best},
         "ratios": ratios,
         "targets_met": targets,
         "wall_s": round(elapsed, 1),
@@ -524,24 +527,30 @@ def main(argv=None) -> dict:
         for rnd in range(args.rounds):
             for name in args.contenders:
                 kind, mode = name.split("_", 1)
-                waited = wait_until_quiet(args.quiet_wait)
-                t0 = time.perf_counter()
-                if kind == "lit":
-                    clock = run_lit(args, data_path, mode, workdir)
-                elif kind == "plain":
-                    clock = run_plain(args, plain_batches[mode])
-                else:
-                    clock = run_trl(args, data_path, mode == "padding_free", workdir)
-                result = clock.result(args.warmup)
+                for attempt in range(args.retries + 1):
+                    waited = wait_until_quiet(args.quiet_wait)
+                    t0 = time.perf_counter()
+                    if kind == "lit":
+                        clock = run_lit(args, data_path, mode, workdir)
+                    elif kind == "plain":
+                        clock = run_plain(args, plain_batches[mode])
+                    else:
+                        clock = run_trl(args, data_path, mode == "padding_free", workdir)
+                    result = clock.result(args.warmup)
+                    busy = result["foreign_cores"]
+                    disturbed = busy is not None and busy > args.max_foreign
+                    print(
+                        f"round {rnd + 1}/{args.rounds} {name:17s} {result['tokens_per_s']:8.0f} trained tok/s "
+                        f"({result['step_s']:.3f} s/step, run {time.perf_counter() - t0:.1f} s, waited {waited:.0f} s "
+                        f"for a quiet CPU, other processes used {'?' if busy is None else f'{busy:.2f}'} cores"
+                        + (", redo)" if disturbed and attempt < args.retries else ")"),
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    if not disturbed:
+                        break
+                result["attempts"] = attempt + 1
                 runs[name].append(result)
-                busy = result["foreign_cores"]
-                print(
-                    f"round {rnd + 1}/{args.rounds} {name:17s} {result['tokens_per_s']:8.0f} trained tok/s "
-                    f"({result['step_s']:.3f} s/step, run {time.perf_counter() - t0:.1f} s, waited {waited:.0f} s "
-                    f"for a quiet CPU, other processes used {'?' if busy is None else f'{busy:.2f}'} cores)",
-                    file=sys.stderr,
-                    flush=True,
-                )
         summary = summarize(args, runs, time.perf_counter() - start, rows_checked)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -50,6 +50,15 @@ class HFExport(L.Callback):
         self.every_n_steps, self.keep_last = every_n_steps, keep_last
         self.dtype = resolve_dtype(dtype) if dtype else None
         self.last_exported: int | None = None
+        self._loaded_tokenizer = None
+
+    def _tokenizer(self, pl_module):
+        """Loaded once per run: every export writes the same tokenizer files."""
+        if self._loaded_tokenizer is None:
+            self._loaded_tokenizer = AutoTokenizer.from_pretrained(
+                pl_module.tokenizer_name, trust_remote_code=pl_module.trust_remote_code
+            )
+        return self._loaded_tokenizer
 
     # ---- a run's start: the weights/ directory must describe this run only ------------------------
     def on_train_start(self, trainer, pl_module) -> None:
@@ -121,9 +130,7 @@ class HFExport(L.Callback):
                 cfg = json.loads((tmp / "config.json").read_text())
                 cfg["dtype"] = cfg["torch_dtype"] = str(self.dtype).removeprefix("torch.")
                 (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-            AutoTokenizer.from_pretrained(
-                pl_module.tokenizer_name, trust_remote_code=pl_module.trust_remote_code
-            ).save_pretrained(tmp)
+            self._tokenizer(pl_module).save_pretrained(tmp)
             _fsync_tree(tmp)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
