@@ -27,6 +27,7 @@ def fit_args(tmp_path, data, steps=3):
         "--data.init_args.path", data,
         "--data.init_args.num_workers", "0",
         "--data.init_args.batch_size", "8",
+        "--data.init_args.val_path", "",  # the example's held-out file is written by the demo, not here
         "--trainer.default_root_dir", str(tmp_path / "run"),
         "--trainer.max_steps", str(steps),
     ]
@@ -51,6 +52,17 @@ def test_fit_runs_end_to_end_and_reruns_into_same_dir(tmp_path):
     # a second run into the same directory must not trip over the saved config
     second = run(args)
     assert second.returncode == 0, second.stderr[-3000:]
+
+
+def test_validate_reports_val_loss(tmp_path):
+    data = write_jsonl(tmp_path / "val.jsonl", reverse_rows(12))
+    out = run(["validate", "--config", CONFIG, "--data.init_args.path", data, "--data.init_args.val_path", data,
+               "--data.init_args.num_workers", "0", "--trainer.default_root_dir", str(tmp_path / "run")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "val/loss" in out.stdout
+    missing = run(["validate", "--config", CONFIG, "--data.init_args.path", data, "--data.init_args.val_path", "",
+                   "--data.init_args.num_workers", "0", "--trainer.default_root_dir", str(tmp_path / "run")])
+    assert missing.returncode != 0 and "val_path" in missing.stderr
 
 
 def test_print_config_shows_overrides_and_env(tmp_path):

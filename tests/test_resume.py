@@ -24,6 +24,7 @@ def fit(root, data, steps, *extra, **popen):
     return [
         "fit", "--config", CONFIG,
         "--data.init_args.path", data, "--data.init_args.num_workers", "0", "--data.init_args.batch_size", "8",
+        "--data.init_args.val_path", "",
         "--trainer.default_root_dir", str(root), "--trainer.max_steps", str(steps), "--trainer.log_every_n_steps", "1",
         *extra,
     ]

