@@ -1,0 +1,1 @@
+"""Online evals: metrics, the evaluator process, and what the OnlineEval callback starts."""
