@@ -9,6 +9,7 @@ trainer entry points (`lit-rl data ...`) live beside them under the same name.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from lightning.pytorch import LightningDataModule
@@ -21,7 +22,12 @@ from lit_rl.callbacks import checkpoint
 from lit_rl.modules.base import CausalLMModule
 
 LIGHTNING_COMMANDS = ("fit", "validate")
-EXTRA_COMMANDS = {"data": "lit_rl.commands.data"}
+EXTRA_COMMANDS = {
+    "data": "lit_rl.commands.data",
+    "serve": "lit_rl.commands.serve",
+    "evaluate": "lit_rl.commands.evaluate",
+    "report": "lit_rl.commands.report",
+}
 
 
 class LitRLCLI(LightningCLI):
@@ -69,6 +75,10 @@ class LitRLCLI(LightningCLI):
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Class paths in configs may name the user's own modules (a custom eval, say) relative to
+    # the working directory, as with `python -m`; the console script alone would not see them.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] in EXTRA_COMMANDS:
         import importlib

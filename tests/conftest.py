@@ -22,3 +22,4 @@ def tiny_model():
     from lit_rl.modules.model_loading import load_causal_lm
 
     return load_causal_lm(TINY_MODEL, random_init=True, seed=0)
+from vllm_fixtures import *  # noqa: F401,F403

