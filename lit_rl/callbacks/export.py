@@ -51,6 +51,7 @@ class HFExport(L.Callback):
         self.dtype = resolve_dtype(dtype) if dtype else None
         self.last_exported: int | None = None
         self._loaded_tokenizer = None
+        self._prepared_for = None
 
     def _tokenizer(self, pl_module):
         """Loaded once per run: every export writes the same tokenizer files."""
@@ -62,8 +63,15 @@ class HFExport(L.Callback):
 
     # ---- a run's start: the weights/ directory must describe this run only ------------------------
     def on_train_start(self, trainer, pl_module) -> None:
+        self.prepare_run(trainer)
+
+    def prepare_run(self, trainer) -> None:
         """Fresh run: remove steps an earlier run left in this root. Resume: remove only the
-        steps past the resume point (they belong to a future this run will rewrite)."""
+        steps past the resume point (they belong to a future this run will rewrite).
+        Once per run; OnlineEval calls it before exporting step 0. Collective."""
+        if self._prepared_for is trainer:
+            return
+        self._prepared_for = trainer
         root = Path(trainer.default_root_dir)
         resumed = trainer.ckpt_path is not None
         if trainer.is_global_zero:

@@ -1,0 +1,198 @@
+"""OnlineEval: evals of real tasks while training runs, without slowing training down.
+
+On rank 0 it starts one evaluator process (`lit-rl evaluate --follow`) with its own
+inference server (or a given `base_url`). The trainer's only part is to make sure a
+`weights/step_N` exists at every step where some eval is due (it asks HFExport) and at
+the last step; the evaluator picks them up from the filesystem. At the end of fit the
+trainer waits (up to `final_timeout`) for the final eval; on a crash, Ctrl-C or SIGTERM
+it stops the evaluator and its server.
+
+    trainer:
+      callbacks:
+        - class_path: lit_rl.callbacks.HFExport
+        - class_path: lit_rl.callbacks.OnlineEval
+          init_args:
+            interval: 100
+            envs:
+              - class_path: lit_rl.rollouts.ReverseTextEnv
+                init_args: {num_examples: 100}
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lit_rl.callbacks.export import HFExport
+from lit_rl.eval.plan import DoneLog, EvalPlan, clear_final_step, evals_dir, write_final_step
+from lit_rl.rollouts.envs import Environment
+from lit_rl.run_dir import in_use, step_of
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the trainer dies, even by SIGKILL (Linux)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+class OnlineEval(L.Callback):
+    def __init__(
+        self,
+        envs: list[Environment],
+        interval: int = 100,
+        intervals: dict[str, int] | None = None,
+        eval_base: bool = True,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        server: dict | None = None,
+        final_timeout: float = 900.0,
+    ):
+        """
+        Args:
+            envs: eval environments (tasks + reward), e.g. ``lit_rl.rollouts.ReverseTextEnv``.
+            interval: evaluate every N optimizer steps (and always at the last step).
+            intervals: per-environment intervals by name, overriding ``interval``.
+            eval_base: evaluate the model before training (step 0).
+            base_url: an existing vLLM server (started with ``VLLM_SERVER_DEV_MODE=1``) that can
+                read this run directory; None starts one for the evaluator.
+            api_key: the server's API key.
+            server: options for the server lit-rl starts (``lit_rl.inference.server.VLLMServer``),
+                e.g. ``{max_model_len: 1024, dtype: float32}``.
+            final_timeout: seconds the trainer waits at the end for the final eval.
+        """
+        if interval < 1 or any(v < 1 for v in (intervals or {}).values()):
+            raise ValueError(f"OnlineEval: intervals must be >= 1, got interval={interval}, intervals={intervals}")
+        names = [e.name for e in envs]
+        if not envs or len(set(names)) != len(names):
+            raise ValueError(f"OnlineEval: give at least one environment, with unique names; got {names}")
+        unknown = set(intervals or {}) - set(names)
+        if unknown:
+            raise ValueError(f"OnlineEval.intervals names unknown environments {sorted(unknown)}; known: {names}")
+        if base_url and server:
+            raise ValueError("OnlineEval: give base_url (an existing server) or server options, not both")
+        self.plan = EvalPlan(envs=[e.to_config() for e in envs], interval=interval, intervals=dict(intervals or {}),
+                             eval_base=eval_base)
+        self.names = names
+        self.base_url, self.api_key, self.server = base_url, api_key, dict(server or {})
+        self.final_timeout = final_timeout
+        self.proc: subprocess.Popen | None = None
+        self.export: HFExport | None = None
+
+    # ---- what is due ----------------------------------------------------------------------------------
+    def due(self, step: int, final: int | None = None) -> bool:
+        return bool(self.plan.due(step, self.names, final))
+
+    def needed(self, path: Path, root: Path) -> bool:
+        """A due step the evaluator has not handled yet is needed: retention must spare it."""
+        step = step_of(path)
+        if step is None or not self.due(step):
+            return False
+        done = DoneLog(root)
+        return not all(done.handled(step, n) for n in self.plan.due(step, self.names, None))
+
+    # ---- start ----------------------------------------------------------------------------------------
+    def on_train_start(self, trainer, pl_module) -> None:
+        exports = [c for c in trainer.callbacks if isinstance(c, HFExport)]
+        if not exports:
+            raise ValueError("OnlineEval needs an HFExport callback in trainer.callbacks (it writes the checkpoints evaluated)")
+        self.export = exports[0]
+        root = Path(trainer.default_root_dir)
+        self.export.prepare_run(trainer)
+        original_in_use = self.export.in_use
+        self.export.in_use = lambda path: original_in_use(path) or self.needed(Path(path), root)
+        if trainer.is_global_zero:
+            if trainer.ckpt_path is None:
+                shutil.rmtree(evals_dir(root), ignore_errors=True)  # a fresh run: old evals describe other weights
+            else:
+                DoneLog(root).forget_after(trainer.global_step)
+            clear_final_step(root)
+            self.plan.save(root)
+        trainer.strategy.barrier("online_eval_plan")
+        if trainer.global_step == 0 and self.plan.eval_base:
+            self.export.export(trainer, pl_module, 0)  # the base model, as the evaluator will serve it
+        if trainer.is_global_zero:
+            self._start_evaluator(trainer, root)
+
+    def _logger_args(self, trainer) -> list[str]:
+        args = []
+        for logger in trainer.loggers:
+            if isinstance(logger, CSVLogger):
+                args += ["--log-dir", logger.log_dir]
+            elif isinstance(logger, WandbLogger):
+                run = logger.experiment
+                args += ["--wandb", json.dumps({"id": run.id, "project": run.project, "entity": run.entity})]
+        return args
+
+    def _start_evaluator(self, trainer, root: Path) -> None:
+        cmd = [sys.executable, "-m", "lit_rl.cli", "evaluate", "--run-dir", str(root), "--follow",
+               "--parent-pid", str(os.getpid()), *self._logger_args(trainer)]
+        if self.base_url:
+            cmd += ["--base-url", self.base_url]
+        else:
+            cmd += ["--server", json.dumps(self.server)]
+        env = dict(os.environ)
+        if self.api_key:
+            env["LIT_RL_EVAL_API_KEY"] = self.api_key
+            cmd += ["--api-key-env", "LIT_RL_EVAL_API_KEY"]
+        log_path = evals_dir(root) / "evaluator.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log_file:
+            self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+        rank_zero_info(f"OnlineEval: evaluator started (pid {self.proc.pid}), log: {log_path}")
+
+    # ---- during and after training ---------------------------------------------------------------------
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if self.due(step) and self.export.last_exported != step:
+            self.export.export(trainer, pl_module, step)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        step = trainer.global_step
+        if self.export.last_exported != step:
+            self.export.export(trainer, pl_module, step)
+        if not trainer.is_global_zero or self.proc is None:
+            return
+        write_final_step(trainer.default_root_dir, step)
+        rank_zero_info(f"OnlineEval: waiting up to {self.final_timeout:.0f} s for the evaluator's final eval (step {step})")
+        try:
+            code = self.proc.wait(timeout=self.final_timeout)
+            if code != 0:
+                rank_zero_warn(f"OnlineEval: the evaluator exited with code {code}; see {evals_dir(trainer.default_root_dir)}/evaluator.log")
+        except subprocess.TimeoutExpired:
+            rank_zero_warn(f"OnlineEval: the final eval did not finish in {self.final_timeout:.0f} s; stopping the evaluator")
+        self.stop_evaluator()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self.stop_evaluator()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self.stop_evaluator()
+
+    def stop_evaluator(self, grace: float = 20.0) -> None:
+        """SIGTERM to the evaluator's process group (it stops its server), SIGKILL after `grace`."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue

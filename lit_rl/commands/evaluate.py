@@ -1,0 +1,98 @@
+"""`lit-rl evaluate`: the evaluator process.
+
+    # every stable checkpoint of a finished run, on a server you run
+    lit-rl evaluate --weights-dir runs/x/weights --base-url http://127.0.0.1:8000/v1
+    # the same with lit-rl starting a vLLM server (on the first checkpoint it evaluates)
+    lit-rl evaluate --weights-dir runs/x/weights --env lit_rl.rollouts.ReverseTextEnv
+
+The OnlineEval callback starts this command itself during training (`--follow`): it then
+keeps watching `weights/` until the trainer's final step is evaluated or the trainer is
+gone. Which environments to run comes from `--plan` (default `<run dir>/evals/plan.json`,
+written by OnlineEval) or from `--env CLASS_PATH` (repeatable; `--env-args` takes JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from lit_rl.eval.evaluator import Evaluator
+from lit_rl.eval.logging import EvalLogger
+from lit_rl.eval.plan import EvalPlan, evals_dir
+from lit_rl.run_dir import stable_steps
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="lit-rl evaluate", description="Evaluate a run's exported checkpoints.")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--weights-dir", help="a run's weights/ directory")
+    where.add_argument("--run-dir", help="a run directory (holds weights/)")
+    p.add_argument("--base-url", help="an existing OpenAI-compatible vLLM server (started with VLLM_SERVER_DEV_MODE=1)")
+    p.add_argument("--api-key-env", default=None, help="name of the environment variable holding the server's API key")
+    p.add_argument("--server", default="{}", help="JSON of VLLMServer options when lit-rl starts the server")
+    p.add_argument("--plan", help="plan.json (default: <run dir>/evals/plan.json)")
+    p.add_argument("--env", action="append", default=[], help="environment class path (repeatable)")
+    p.add_argument("--env-args", action="append", default=[], help="JSON init args of the --env at the same position")
+    p.add_argument("--log-dir", help="where eval_metrics.csv goes (default: <run dir>/evals)")
+    p.add_argument("--wandb", default=None, help="JSON of wandb.init arguments to join the trainer's run")
+    p.add_argument("--follow", action="store_true", help="keep watching until the trainer's final step is evaluated")
+    p.add_argument("--parent-pid", type=int, default=None, help="stop when this process is gone")
+    p.add_argument("--start-timeout", type=float, default=3600.0, help="seconds to wait for the first checkpoint")
+    return p.parse_args(argv)
+
+
+def load_plan(args: argparse.Namespace, root: Path) -> EvalPlan:
+    if args.env:
+        extra = [json.loads(a) for a in args.env_args] + [{}] * (len(args.env) - len(args.env_args))
+        return EvalPlan(envs=[{"class_path": c, "init_args": a} for c, a in zip(args.env, extra)], interval=1)
+    path = Path(args.plan) if args.plan else evals_dir(root) / "plan.json"
+    if not path.is_file():
+        raise SystemExit(f"lit-rl evaluate: no plan at {path}; give --plan or --env CLASS_PATH")
+    return EvalPlan.load(path)
+
+
+def first_checkpoint(root: Path, timeout: float, parent_pid: int | None) -> Path:
+    """The evaluator's server starts on a real checkpoint of this run (step 0 when it exists)."""
+    deadline = time.time() + timeout
+    while True:
+        steps = stable_steps(root)
+        if steps:
+            return steps[min(steps)]
+        if time.time() > deadline:
+            raise SystemExit(f"lit-rl evaluate: no STABLE checkpoint appeared under {root / 'weights'} in {timeout:.0f} s")
+        if parent_pid is not None and not Evaluator.pid_alive(parent_pid):
+            raise SystemExit("lit-rl evaluate: the trainer is gone before any checkpoint was written")
+        time.sleep(0.5)
+
+
+async def run(args: argparse.Namespace) -> None:
+    from lit_rl.inference.server import open_endpoint
+
+    root = Path(args.run_dir) if args.run_dir else Path(args.weights_dir).resolve().parent
+    plan = load_plan(args, root)
+    logger = EvalLogger(args.log_dir or evals_dir(root), json.loads(args.wandb) if args.wandb else None)
+    server_kwargs = json.loads(args.server)
+    model = None
+    if not args.base_url:
+        model = first_checkpoint(root, args.start_timeout, args.parent_pid)
+        server_kwargs.setdefault("log_path", str(evals_dir(root) / "vllm.log"))
+    api_key = os.environ.get(args.api_key_env) if args.api_key_env else None  # never on the process list
+    with open_endpoint(base_url=args.base_url, model=model, api_key=api_key, allowed_root=root,
+                       **({} if args.base_url else server_kwargs)) as endpoint:
+        async with endpoint.client() as client:
+            evaluator = Evaluator(root, plan, client, logger, standalone=not args.follow, parent_pid=args.parent_pid)
+            try:
+                await evaluator.run()
+            finally:
+                logger.close()
+
+
+def main(argv: list[str]) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    asyncio.run(run(parse(argv)))

@@ -1,0 +1,164 @@
+"""The evaluator: a separate process that evaluates checkpoints while training runs.
+
+It watches `<root>/weights/` for STABLE step directories, reloads its inference server
+with each due one, and runs the due evals for that step in turn, so every measurement
+belongs to exactly one policy version. When it falls behind it skips to the newest due
+step (and says which it skipped); the base model (step 0) is never skipped, and the
+final step always runs every eval. A failed reload
+(the directory vanished, the server errored) is logged, that step's evals are recorded
+as failed, and it goes on. It never touches the trainer: the filesystem is the hand-off
+(lit_rl/eval/plan.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from lightning.pytorch.cli import instantiate_class
+
+from lit_rl.eval.logging import EvalLogger
+from lit_rl.eval.plan import DoneLog, EvalPlan, evals_dir, read_final_step
+from lit_rl.rollouts.envs import Environment, EvalRun
+from lit_rl.run_dir import STABLE, lease, stable_steps
+
+log = logging.getLogger("lit_rl.evaluator")
+
+
+class Evaluator:
+    def __init__(
+        self,
+        root: str | Path,
+        plan: EvalPlan,
+        client,
+        logger: EvalLogger,
+        *,
+        standalone: bool = False,
+        parent_pid: int | None = None,
+        poll_seconds: float = 1.0,
+    ):
+        """
+        Args:
+            root: the run directory (holds weights/ and evals/).
+            plan: what to evaluate and when.
+            client: an InferenceClient of a server that may reload from `root`.
+            logger: where metrics go.
+            standalone: evaluate every stable checkpoint once and exit (a finished run).
+            parent_pid: exit when this process (the trainer) is gone.
+        """
+        self.root, self.plan, self.client, self.logger = Path(root), plan, client, logger
+        self.standalone, self.parent_pid, self.poll_seconds = standalone, parent_pid, poll_seconds
+        self.envs: list[Environment] = [instantiate_class((), cfg) for cfg in plan.envs]
+        names = [e.name for e in self.envs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"evaluator: environment names must be unique, got {names}")
+        self.done = DoneLog(root)
+
+    # ---- what is due -------------------------------------------------------------------------------
+    def final_step(self) -> int | None:
+        if self.standalone:
+            steps = stable_steps(self.root)
+            return max(steps) if steps else None
+        return read_final_step(self.root)
+
+    def pending(self, final: int | None) -> dict[int, list[Environment]]:
+        """Stable steps with due evals not yet handled."""
+        out = {}
+        for step in stable_steps(self.root):
+            if final is not None and step > final:
+                continue
+            due = set(self.plan.due(step, [e.name for e in self.envs], final))
+            envs = [e for e in self.envs if e.name in due and not self.done.handled(step, e.name)]
+            if envs:
+                out[step] = envs
+        return out
+
+    def finished(self, final: int | None) -> bool:
+        if final is None:
+            return False
+        return all(self.done.handled(final, n) for n in self.plan.due(final, [e.name for e in self.envs], final))
+
+    # ---- the loop -----------------------------------------------------------------------------------
+    @staticmethod
+    def pid_alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def parent_alive(self) -> bool:
+        return self.parent_pid is None or self.pid_alive(self.parent_pid)
+
+    def record_missing_final(self, final: int | None) -> None:
+        """The trainer announces its final step only after exporting it: if that directory is
+        not there, it vanished (deleted by hand, say) and its evals cannot run."""
+        if final is None or self.standalone or final in stable_steps(self.root):
+            return
+        for name in self.plan.due(final, [e.name for e in self.envs], final):
+            if not self.done.handled(final, name):
+                log.error("evaluator: the final step %s has no STABLE checkpoint (deleted?); skipping its evals", final)
+                self.done.record(final, name, "failed", error="checkpoint directory missing")
+
+    async def run(self) -> None:
+        while True:
+            final = self.final_step()
+            pending = self.pending(final)
+            if not pending:
+                self.record_missing_final(final)
+            if pending:
+                steps = sorted(pending)
+                # behind: only the newest due step, but the base model (step 0) is never skipped
+                chosen = steps if self.standalone else sorted({steps[-1]} | ({0} & set(steps)))
+                skipped = [s for s in steps if s not in chosen]
+                for s in skipped:
+                    for env in pending[s]:
+                        self.done.record(s, env.name, "skipped")
+                if skipped:
+                    log.warning("evaluator fell behind: skipped steps %s, evaluating step %s", skipped, chosen[-1])
+                for step in chosen:
+                    await self.evaluate_step(step, pending[step])
+                continue
+            if self.finished(final) or (self.standalone and final is None):
+                return
+            if not self.parent_alive():
+                log.warning("evaluator: the trainer is gone; stopping")
+                return
+            await asyncio.sleep(self.poll_seconds)
+
+    async def evaluate_step(self, step: int, envs: list[Environment]) -> None:
+        step_path = self.root / "weights" / f"step_{step}"
+        try:
+            with lease(step_path, f"evaluator-{os.getpid()}"):
+                if not (step_path / STABLE).is_file():
+                    raise FileNotFoundError(f"{step_path} vanished before it could be loaded")
+                started = time.perf_counter()
+                version = await self.client.reload_weights(step_path)
+                log.info("evaluator: serving step %s (reload %.2f s)", version, time.perf_counter() - started)
+                for env in envs:
+                    await self._evaluate_env(step, step_path, env)
+        except Exception as e:  # noqa: BLE001 - a failed eval must never stop training
+            log.error("evaluator: step %s failed (%s: %s); skipping its evals", step, type(e).__name__, e)
+            for env in envs:
+                if not self.done.handled(step, env.name):
+                    self.done.record(step, env.name, "failed", error=f"{type(e).__name__}: {e}")
+
+    async def _evaluate_env(self, step: int, step_path: Path, env: Environment) -> None:
+        run = EvalRun(step=step, step_dir=step_path, client=self.client)
+        started = time.perf_counter()
+        metrics = await env.evaluate(run)
+        out = {f"eval/{env.name}/{k}": v for k, v in metrics.items()}
+        out[f"eval/{env.name}/policy_version"] = float(step)
+        self.logger.log(step, out)
+        if run.traces:
+            trace_dir = evals_dir(self.root) / f"step_{step}"
+            trace_dir.mkdir(parents=True, exist_ok=True)
+            with open(trace_dir / f"{env.name}.jsonl", "w") as f:
+                for t in run.traces:
+                    f.write(json.dumps(t) + "\n")
+        self.done.record(step, env.name, "ok")
+        log.info("evaluator: step %s %s %s (%.1f s)", step, env.name, metrics, time.perf_counter() - started)

@@ -1,0 +1,52 @@
+"""Where the evaluator's metrics go: the trainer's own run.
+
+CSV (default): `<log_dir>/eval_metrics.csv` beside the trainer's `metrics.csv` in the
+same Lightning log directory, one row per metric (step, name, value). A separate file,
+because two processes appending to one CSV would interleave rows.
+
+W&B: when the trainer logs to W&B, the evaluator joins the same run (`resume="allow"`
+with the trainer's run id) and logs `eval/*` against `eval/policy_version`.
+"""
+
+from __future__ import annotations
+
+import csv
+import time
+from pathlib import Path
+
+FIELDS = ["step", "name", "value", "time"]
+
+
+class EvalLogger:
+    def __init__(self, log_dir: str | Path, wandb_run: dict | None = None):
+        self.path = Path(log_dir) / "eval_metrics.csv"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._wandb = None
+        if wandb_run:
+            import wandb
+
+            self._wandb = wandb.init(resume="allow", **wandb_run)
+            self._wandb.define_metric("eval/*", step_metric="eval/policy_version")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        new = not self.path.exists()
+        with open(self.path, "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=FIELDS)
+            if new:
+                writer.writeheader()
+            now = time.time()
+            for name, value in metrics.items():
+                writer.writerow({"step": step, "name": name, "value": value, "time": now})
+        if self._wandb is not None:
+            self._wandb.log(dict(metrics))
+
+    def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_eval_metrics(log_dir: str | Path) -> list[dict]:
+    path = Path(log_dir) / "eval_metrics.csv"
+    if not path.is_file():
+        return []
+    return [{"step": int(r["step"]), "name": r["name"], "value": float(r["value"])} for r in csv.DictReader(open(path))]

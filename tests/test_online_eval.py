@@ -1,0 +1,188 @@
+"""Online evals with a real vLLM server: the demo learns and the evals show it, a vanished
+checkpoint is skipped without hurting training, a trainer crash takes the evaluator and
+its server down, and the plan's bookkeeping (due steps, done log) by hand."""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lit_rl.eval.plan import DoneLog, EvalPlan
+from helpers import REPO
+from online_eval_helpers import evaluator_processes
+
+EXAMPLE = REPO / "examples" / "reverse_text" / "sft_online_eval.yaml"
+
+
+def test_plan_due_steps():
+    plan = EvalPlan(envs=[], interval=50, intervals={"b": 20}, eval_base=True)
+    assert plan.due(0, ["a", "b"], None) == ["a", "b"]
+    assert plan.due(40, ["a", "b"], None) == ["b"]
+    assert plan.due(50, ["a", "b"], None) == ["a"]
+    assert plan.due(51, ["a", "b"], 51) == ["a", "b"]  # the final step runs every eval
+    assert plan.due(7, ["a", "b"], None) == []
+    assert EvalPlan(envs=[], eval_base=False).due(0, ["a"], None) == []
+
+
+def test_done_log_survives_restart_and_forgets_the_future(tmp_path):
+    log = DoneLog(tmp_path)
+    log.record(0, "a", "ok")
+    log.record(100, "a", "failed", error="x")
+    log.record(200, "a", "skipped")
+    again = DoneLog(tmp_path)
+    assert again.handled(100, "a") and again.handled(200, "a")
+    again.forget_after(100)  # a resume from step 100
+    assert not DoneLog(tmp_path).handled(200, "a") and DoneLog(tmp_path).handled(100, "a")
+
+
+@pytest.fixture(scope="module")
+def reverse_data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reverse_data")
+    subprocess.run([sys.executable, "examples/reverse_text/make_data.py", "--out", str(out), "--train", "4000",
+                    "--test", "40"], cwd=REPO, check=True, capture_output=True)
+    return out
+
+
+def write_config(tmp_path, data, *, steps, interval, envs, server=None, base_url=None, extra_callbacks=()):
+    config = yaml.safe_load(EXAMPLE.read_text())
+    config["trainer"].update(max_steps=steps, default_root_dir=str(tmp_path / "run"), log_every_n_steps=5)
+    export, online = config["trainer"]["callbacks"][:2]
+    online["init_args"].update(interval=interval, envs=envs)
+    online["init_args"]["final_timeout"] = 300
+    if base_url:
+        online["init_args"]["base_url"] = base_url
+        online["init_args"].pop("server", None)
+    elif server:
+        online["init_args"]["server"] = server
+    config["trainer"]["callbacks"] = [export, online, *extra_callbacks]
+    config["model"]["init_args"]["lr_scheduler"]["init_args"]["total_steps"] = steps
+    config["data"]["init_args"].update(path=str(data / "train.jsonl"), num_workers=0)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def lit_rl(*args, timeout=900):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO / "tests")}
+    return subprocess.run([sys.executable, "-m", "lit_rl.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def eval_metrics(root: Path) -> dict[str, dict[int, float]]:
+    out: dict[str, dict[int, float]] = {}
+    for path in root.glob("logs/version_*/eval_metrics.csv"):
+        for row in csv.DictReader(open(path)):
+            out.setdefault(row["name"], {})[int(row["step"])] = float(row["value"])
+    return out
+
+
+def restore_shared_server(vllm_server):
+    import asyncio
+
+    async def run():
+        async with vllm_server.client() as client:
+            await client.reload_weights(vllm_server.model_dir)
+
+    asyncio.run(run())
+
+
+@pytest.mark.slow
+def test_sft_with_online_evals_learns_and_logs_every_due_step(tmp_path, reverse_data, vllm_server):
+    envs = [
+        {"class_path": "lit_rl.rollouts.ReverseTextEnv",
+         "init_args": {"path": str(reverse_data / "test.jsonl"), "num_examples": 40}},
+        {"class_path": "examples.reverse_text.held_out_loss.HeldOutLoss",
+         "init_args": {"path": str(reverse_data / "test.jsonl"), "num_examples": 20}},
+    ]
+    config = write_config(tmp_path, reverse_data, steps=100, interval=50, envs=envs, base_url=vllm_server.base_url)
+    try:
+        out = lit_rl("fit", "--config", str(config))
+    finally:
+        restore_shared_server(vllm_server)
+    assert out.returncode == 0, out.stderr[-4000:]
+    root = tmp_path / "run"
+    metrics = eval_metrics(root)
+    reward, loss = metrics["eval/reverse_text/reward"], metrics["eval/held_out_loss/loss"]
+    assert sorted(reward) == sorted(loss) == [0, 50, 100]  # base model, interval, final step
+    assert metrics["eval/reverse_text/policy_version"] == {0: 0.0, 50: 50.0, 100: 100.0}
+    assert reward[100] > reward[0] + 0.2  # the model learns, and the eval sees it
+    assert loss[100] < loss[0]  # the subclassed eval produced its metric, and it moved the right way
+    traces = [json.loads(line) for line in open(root / "evals" / "step_100" / "reverse_text.jsonl")]
+    assert len(traces) == 40 and {"prompt", "completion", "reward"} <= set(traces[0])
+    report = lit_rl("report", str(root))
+    assert report.returncode == 0 and (root / "report.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_vanished_checkpoint_is_skipped_and_training_succeeds(tmp_path, reverse_data, vllm_server):
+    envs = [{"class_path": "online_eval_helpers.DeleteFinalStepAtBase",
+             "init_args": {"path": str(reverse_data / "test.jsonl"), "num_examples": 5}}]
+    config = write_config(tmp_path, reverse_data, steps=6, interval=3, envs=envs, base_url=vllm_server.base_url)
+    try:
+        out = lit_rl("fit", "--config", str(config))
+    finally:
+        restore_shared_server(vllm_server)
+    assert out.returncode == 0, out.stderr[-4000:]
+    root = tmp_path / "run"
+    done = [json.loads(line) for line in open(root / "evals" / "done.jsonl")]
+    status = {d["step"]: d["status"] for d in done}
+    assert status[0] == "ok" and status[6] == "failed"
+    assert status.get(3) in ("ok", "skipped")
+    log = (root / "evals" / "evaluator.log").read_text()
+    assert "final step 6 has no STABLE checkpoint" in log
+
+
+@pytest.mark.slow
+def test_trainer_crash_takes_evaluator_and_its_server_down(tmp_path, reverse_data):
+    envs = [{"class_path": "lit_rl.rollouts.ReverseTextEnv",
+             "init_args": {"path": str(reverse_data / "test.jsonl"), "num_examples": 5}}]
+    crash = {"class_path": "online_eval_helpers.CrashAtStep", "init_args": {"step": 40}}
+    config = write_config(tmp_path, reverse_data, steps=1000, interval=1000, envs=envs,
+                          server={"max_model_len": 512, "dtype": "float32", "enforce_eager": True},
+                          extra_callbacks=[crash])
+    root = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO / "tests")}
+    proc = subprocess.Popen([sys.executable, "-m", "lit_rl.cli", "fit", "--config", str(config)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300  # the evaluator's own server is up and has evaluated step 0
+        while not (root / "evals" / "done.jsonl").is_file():
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            assert time.time() < deadline, "the evaluator never finished step 0"
+            time.sleep(0.5)
+        assert evaluator_processes(root), "evaluator or server not found while training"
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode != 0 and "deliberate crash" in output
+        gone_by = time.time() + 30
+        while evaluator_processes(root) and time.time() < gone_by:
+            time.sleep(0.5)
+        assert not evaluator_processes(root), "evaluator or its vLLM server outlived the crashed trainer by 30 s"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_resume_does_not_repeat_done_evals(tmp_path, reverse_data, vllm_server):
+    envs = [{"class_path": "lit_rl.rollouts.ReverseTextEnv",
+             "init_args": {"path": str(reverse_data / "test.jsonl"), "num_examples": 5}}]
+    config = write_config(tmp_path, reverse_data, steps=4, interval=2, envs=envs, base_url=vllm_server.base_url)
+    try:
+        first = lit_rl("fit", "--config", str(config))
+        assert first.returncode == 0, first.stderr[-4000:]
+        second = lit_rl("fit", "--config", str(config), "--trainer.max_steps", "8", "--ckpt_path", "last")
+        assert second.returncode == 0, second.stderr[-4000:]
+    finally:
+        restore_shared_server(vllm_server)
+    rows = []
+    for path in sorted((tmp_path / "run").glob("logs/version_*/eval_metrics.csv")):
+        rows += [int(r["step"]) for r in csv.DictReader(open(path)) if r["name"] == "eval/reverse_text/reward"]
+    assert len(rows) == len(set(rows)), f"an eval was repeated: {rows}"
+    assert {0, 4, 8} <= set(rows) and set(rows) <= {0, 2, 4, 6, 8}
