@@ -60,3 +60,12 @@ def test_visible_gpus_reads_cuda_visible_devices(monkeypatch):
     assert visible_gpus() == ["3", "1", "GPU-abc"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert visible_gpus() == []
+
+
+def test_num_infer_gpus_in_server_options(monkeypatch):
+    from lit_rl.commands.evaluate import with_gpu_split
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    kw = with_gpu_split({"num_infer_gpus": 4, "tensor_parallel_size": 2, "max_model_len": 1024})
+    assert kw == {"max_model_len": 1024, "devices": ["4", "5", "6", "7"], "tensor_parallel_size": 2, "data_parallel_size": 2}
+    assert with_gpu_split({"max_model_len": 8}) == {"max_model_len": 8}

@@ -71,13 +71,25 @@ def first_checkpoint(root: Path, timeout: float, parent_pid: int | None) -> Path
         time.sleep(0.5)
 
 
+def with_gpu_split(server_kwargs: dict) -> dict:
+    """`num_infer_gpus: N` among the server options: serve on the node's last N GPUs (extra GPUs
+    beyond tensor parallelism become data-parallel ranks); train on the others."""
+    n = server_kwargs.pop("num_infer_gpus", None)
+    if n is None:
+        return server_kwargs
+    from lit_rl.inference.gpus import plan_gpus, visible_gpus
+
+    plan = plan_gpus(visible_gpus(), n, server_kwargs.pop("tensor_parallel_size", 1))
+    return {**server_kwargs, **plan.server_kwargs()}
+
+
 async def run(args: argparse.Namespace) -> None:
     from lit_rl.inference.server import open_endpoint
 
     root = Path(args.run_dir) if args.run_dir else Path(args.weights_dir).resolve().parent
     plan = load_plan(args, root)
     logger = EvalLogger(args.log_dir or evals_dir(root), json.loads(args.wandb) if args.wandb else None)
-    server_kwargs = json.loads(args.server)
+    server_kwargs = with_gpu_split(json.loads(args.server))
     model = None
     if not args.base_url:
         model = first_checkpoint(root, args.start_timeout, args.parent_pid)

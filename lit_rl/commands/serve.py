@@ -30,6 +30,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--data-parallel-size", type=int, default=1)
     p.add_argument("--gpu-memory-utilization", type=float, default=None, help="fraction of each GPU for vLLM")
     p.add_argument("--devices", default=None, help="GPU ids for the server, comma separated (its CUDA_VISIBLE_DEVICES)")
+    p.add_argument("--num-infer-gpus", type=int, default=None,
+                   help="serve on the last N visible GPUs, leaving the others to training; GPUs beyond "
+                        "--tensor-parallel-size become data-parallel ranks")
     p.add_argument("--enforce-eager", action="store_true", help="no compilation: faster start, slower decoding")
     p.add_argument("--generation-config", default="vllm", help="'vllm' (requests say all) or 'auto' (model defaults)")
     p.add_argument("--no-dev-mode", action="store_true", help="no /collective_rpc: weights cannot be reloaded")
@@ -43,6 +46,15 @@ def main(argv: list[str] | None = None) -> None:
     from lit_rl.inference.server import ServerStartError, VLLMServer
 
     args, extra = parse(sys.argv[1:] if argv is None else argv)
+    if args.num_infer_gpus is not None:
+        from lit_rl.inference.gpus import plan_gpus, visible_gpus
+
+        if args.devices or args.data_parallel_size != 1:
+            raise SystemExit("lit-rl serve: --num-infer-gpus chooses --devices and --data-parallel-size; give neither")
+        plan = plan_gpus(visible_gpus(), args.num_infer_gpus, args.tensor_parallel_size)
+        args.devices, args.data_parallel_size = ",".join(plan.infer_devices), plan.data_parallel_size
+        print(f"lit-rl serve: GPUs {args.devices} serve (tp {plan.tensor_parallel_size} x dp {plan.data_parallel_size}); "
+              f"train on devices {plan.train_devices}", flush=True)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, even if started with SIGINT ignored
     server = VLLMServer(
         args.model, host=args.host, port=args.port, api_key=args.api_key, max_model_len=args.max_model_len,
