@@ -56,6 +56,7 @@ def preview(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
     dm = build_datamodule(args.config, overrides)
     dm.batch_size = 1  # a preview renders rows one by one; a small file need not fill a batch
+    dm.val_path = dm.val_split = None  # it shows the training rows only
     dm.setup("fit")
     renderer = dm._train.renderer
     color = sys.stdout.isatty() and not args.json
