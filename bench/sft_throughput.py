@@ -1,39 +1,52 @@
 #!/usr/bin/env python
 """SFT throughput on CPU: trained tokens per second of lit-rl, a plain PyTorch loop and TRL.
 
-Trained tokens are the tokens with loss_mask True (assistant bodies and their <|im_end|>);
-every contender trains exactly the same tokens of the same rows, in the same order, from the
-same random init of the built-in tiny Qwen3, with AdamW (same lr, weight decay 0), gradient
+Trained tokens are the tokens with loss_mask True (assistant bodies and their <|im_end|>).
+Every contender trains exactly the same tokens of the same rows, in the same order (checked:
+the trained tokens of every step are compared across contenders), from the same random init
+of the built-in tiny Qwen3 (3.2M parameters), with AdamW (same lr, weight decay 0), gradient
 clipping at 1.0 and the loss divided by the trained tokens of the whole optimizer step.
 
-Contenders (``--contenders``, comma separated):
-  lit_padded / lit_packed   lit-rl SFT through a real lightning.Trainer + StaticDataModule
-                            (rows rendered lazily by DataLoader workers, ``--num-workers``).
-  plain_padded / plain_packed
-                            a bare PyTorch loop over the very micro-batches StaticDataModule
-                            yields for the same steps, collected in memory beforehand: the
-                            ceiling for framework overhead (no data loading, no Lightning).
-  trl_padded                TRL SFTTrainer, padded batches (padding_free=False), attention mask.
-  trl_padding_free          TRL SFTTrainer, padding_free=True: the step's rows flattened into one
-                            sequence with restarting position_ids (TRL's packing=True with the
-                            default "bfd" strategy uses this same padding-free layout).
-TRL trains the same tokens through assistant_only_loss=True with the tiny model's own template
+Contenders (``--contenders``: comma separated ``kind_layout[/key=value...]``):
+  lit_padded, lit_packed      lit-rl SFT through a real lightning.Trainer + StaticDataModule
+                              (rows rendered lazily by DataLoader workers).
+  plain_padded, plain_packed  a bare PyTorch loop over the very micro-batches StaticDataModule
+                              yields for the same steps and settings, collected in memory
+                              beforehand: the ceiling for framework overhead.
+  trl_padded                  TRL SFTTrainer, padding_free=False (rows padded, attention mask).
+  trl_padding_free            TRL SFTTrainer, padding_free=True: each micro-batch's rows are
+                              flattened into ONE sequence with restarting position_ids (TRL's
+                              packing=True with its default "bfd" strategy feeds the model the
+                              same flattened layout).
+  Options: mbt=<micro_batch_tokens> and pack=<pack_length> (lit/plain), workers=<num_workers>
+  (lit), mb=<rows per forward> (TRL; the rest of the step's rows go to gradient accumulation),
+  trldefaults=1 (TRL: keep SFTConfig's own bf16=True and gradient_checkpointing=True, which
+  every other TRL run turns off because both slow a CPU down).
+TRL trains the same tokens through assistant_only_loss=True, with the tiny model's own template
 plus {% generation %} markers (checked token for token against lit-rl's masks before timing).
 
-Timing: each contender runs ``--warmup`` + ``--steps`` optimizer steps; a timestamp is taken at
-the end of every optimizer step (Lightning on_train_batch_end, TRL on_step_end, after
-optimizer.step() in the plain loop). Throughput is the trained tokens of the measured steps over
-the time from the end of the last warm-up step to the end of the last step, so data loading
-and framework work between steps are included, set-up is not. Contenders run alternately in
-``--rounds`` rounds and the medians are reported.
+Timing: each run does ``--warmup`` + ``--steps`` optimizer steps; a timestamp is taken at the
+end of every optimizer step (Lightning on_train_batch_end, TRL on_step_end, after
+optimizer.step() in the plain loop). Throughput = trained tokens of the timed steps / time from
+the end of the last warm-up step to the end of the last step: data loading and framework work
+between steps count, set-up does not. Contenders run alternately, ``--rounds`` times, and the
+medians are reported. Every contender uses ``--threads`` torch threads (default: all cores).
 
-    .venv/bin/python bench/sft_throughput.py                      # defaults, ~4 min on 2 cores
-    .venv/bin/python bench/sft_throughput.py --rounds 5 --steps 20 --json out.json
+The machine may be shared, and with torch on every core one foreign busy process slows a step
+down many times. Each run therefore first waits (``--quiet-wait``) for a quiet CPU, and a run
+during which other processes took more than ``--max-foreign`` cores is stopped and redone (up
+to ``--retries`` times, then that round has no number for it); the table lists the cores other
+processes used during each kept run.
+
+    .venv/bin/python bench/sft_throughput.py                      # defaults: ~3 min on 2 quiet cores
+    .venv/bin/python bench/sft_throughput.py --rounds 5 --json out.json
+    .venv/bin/python bench/sft_throughput.py --contenders lit_padded/mbt=512,lit_padded/mbt=512/workers=0
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import logging
@@ -47,24 +60,65 @@ import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _data import TINY_MODEL, write_chats_jsonl  # noqa: E402
+from _common import (  # noqa: E402
+    TINY_MODEL, cpu_snapshot, exit_on_sigterm, foreign_cores, tree_pids, wait_until_quiet, write_chats_jsonl,
+)
 
-ALL_CONTENDERS = ("lit_padded", "lit_packed", "plain_padded", "plain_packed", "trl_padded", "trl_padding_free")
-DEFAULT_CONTENDERS = "lit_padded,plain_padded,trl_padded,trl_padding_free,lit_packed"
+KINDS = {"lit": ("padded", "packed"), "plain": ("padded", "packed"), "trl": ("padded", "padding_free")}
+OPTIONS = {"mbt": "micro_batch_tokens", "pack": "pack_length", "workers": "num_workers", "mb": "trl_micro_batch",
+           "trldefaults": "trl_own_defaults"}
+DEFAULT_CONTENDERS = ",".join([
+    "lit_padded/mbt=512", "plain_padded/mbt=512", "trl_padded/mb=8",
+    "lit_packed/mbt=1024/pack=256", "plain_packed/mbt=1024/pack=256", "trl_padding_free/mb=4",
+    "lit_padded/mbt=2048", "lit_packed/mbt=2048", "trl_padded/mb=32", "trl_padding_free/mb=32",
+])
+
+
+@dataclasses.dataclass(frozen=True)
+class Contender:
+    name: str  # the spec as given, e.g. lit_packed/mbt=1024/pack=256
+    kind: str  # lit | plain | trl
+    layout: str  # padded | packed | padding_free
+    micro_batch_tokens: int
+    pack_length: int | None
+    num_workers: int
+    trl_micro_batch: int
+    trl_own_defaults: int = 0  # 1: keep SFTConfig's bf16=True and gradient_checkpointing=True (slow on CPU)
+
+    @property
+    def batches_key(self) -> tuple:
+        """What decides the micro-batches StaticDataModule yields (lit and plain with equal keys see equal batches)."""
+        return self.layout, self.micro_batch_tokens, self.pack_length if self.layout == "packed" else None
+
+
+def parse_contender(spec: str, args) -> Contender:
+    head, *opts = spec.split("/")
+    kind, _, layout = head.partition("_")
+    if kind not in KINDS or layout not in KINDS[kind]:
+        raise ValueError(f"unknown contender {head!r}: use one of " + ", ".join(f"{k}_{l}" for k in KINDS for l in KINDS[k]))
+    values = {field: getattr(args, field, 0) for field in OPTIONS.values()}
+    for opt in opts:
+        key, _, value = opt.partition("=")
+        if key not in OPTIONS or not value:
+            raise ValueError(f"{spec}: options are {sorted(OPTIONS)} as key=value")
+        values[OPTIONS[key]] = int(value)
+    if args.batch_size % values["trl_micro_batch"]:
+        raise ValueError(f"{spec}: mb must divide --batch-size")
+    return Contender(name=spec, kind=kind, layout=layout, **values)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--contenders", default=DEFAULT_CONTENDERS, help=f"comma separated, of {ALL_CONTENDERS}")
+    p.add_argument("--contenders", default=DEFAULT_CONTENDERS, help="comma separated kind_layout[/key=value...]")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians are reported")
-    p.add_argument("--warmup", type=int, default=3, help="optimizer steps per run not timed (>= 1)")
-    p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="optimizer steps per run not timed (>= 1)")
+    p.add_argument("--steps", type=int, default=8, help="timed optimizer steps per run")
     p.add_argument("--batch-size", type=int, default=32, help="rows (chats) per optimizer step")
-    p.add_argument("--micro-batch-tokens", type=int, default=2048, help="lit-rl token slots per micro-batch")
-    p.add_argument("--pack-length", type=int, default=None, help="lit-rl packed row length (default: micro-batch-tokens)")
+    p.add_argument("--micro-batch-tokens", type=int, default=2048, help="lit-rl token slots per micro-batch (default of mbt=)")
+    p.add_argument("--pack-length", type=int, default=None, help="lit-rl packed row length (default of pack=; None: micro-batch-tokens)")
     p.add_argument("--max-length", type=int, default=128)
-    p.add_argument("--num-workers", type=int, default=1, help="lit-rl DataLoader workers (the example config uses 1)")
-    p.add_argument("--trl-micro-batch", type=int, default=None, help="TRL rows per forward (default: batch-size, no accumulation)")
+    p.add_argument("--num-workers", type=int, default=1, help="lit-rl DataLoader workers (default of workers=; the example config uses 1)")
+    p.add_argument("--trl-micro-batch", type=int, default=None, help="TRL rows per forward (default of mb=; None: batch-size)")
     p.add_argument("--rows", type=int, default=None, help="rows in the data file (default: just enough for one run)")
     p.add_argument("--min-tokens", type=int, default=24, help="shortest rendered chat")
     p.add_argument("--max-tokens", type=int, default=120, help="longest rendered chat")
@@ -74,116 +128,73 @@ def parse_args(argv=None):
     p.add_argument("--quiet-wait", type=float, default=20.0,
                    help="before each run, wait up to this many seconds for other processes to leave the CPU")
     p.add_argument("--max-foreign", type=float, default=0.25,
-                   help="a run during which other processes used more cores than this on average is redone")
-    p.add_argument("--retries", type=int, default=2, help="redos of a disturbed run (the last try is kept anyway)")
+                   help="a run during which other processes used more cores than this on average is stopped and redone")
+    p.add_argument("--retries", type=int, default=2,
+                   help="redos of a run stopped as disturbed; when all tries are disturbed the round has no number for it")
+    p.add_argument("--max-wall", type=float, default=480.0,
+                   help="after this many seconds, stop waiting for a quiet CPU and stop redoing (disturbed runs are still "
+                        "stopped and left out); quiet, the defaults take ~4 min")
     p.add_argument("--json", default=None, help="also write the JSON summary to this file")
     args = p.parse_args(argv)
-    args.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
-    bad = [c for c in args.contenders if c not in ALL_CONTENDERS]
-    if bad:
-        p.error(f"unknown contenders {bad}; choose from {ALL_CONTENDERS}")
     if args.warmup < 1:
-        p.error("--warmup must be >= 1 (the first step's end starts the clock)")
+        p.error("--warmup must be >= 1 (the end of the last warm-up step starts the clock)")
     args.threads = args.threads or os.cpu_count()
     args.trl_micro_batch = args.trl_micro_batch or args.batch_size
-    if args.batch_size % args.trl_micro_batch:
-        p.error("--trl-micro-batch must divide --batch-size")
     args.total_steps = args.warmup + args.steps
     args.rows = args.rows or args.total_steps * args.batch_size
     if args.rows < args.total_steps * args.batch_size:
         p.error(f"--rows must be >= (warmup + steps) * batch-size = {args.total_steps * args.batch_size}")
+    try:
+        args.contenders = [parse_contender(c.strip(), args) for c in args.contenders.split(",") if c.strip()]
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
 # ---- timing ------------------------------------------------------------------------------------
-_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _tree_pids(root: int) -> list[int]:
-    """root and its live descendants (DataLoader workers), from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
-
-
-def cpu_snapshot() -> tuple[float, float] | None:
-    """(CPU seconds busy on the whole machine, CPU seconds used by this process tree) so far.
-
-    The difference over a window is what other processes took: this box is shared, and with
-    torch using every core, a foreign process running at the same time slows a step a lot.
-    """
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        busy = sum(fields) - fields[3] - fields[4]  # minus idle and iowait
-        ours = 0
-        for pid in _tree_pids(os.getpid()):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    stat = f.read().rsplit(")", 1)[1].split()
-                ours += int(stat[11]) + int(stat[12])  # utime + stime
-            except (OSError, IndexError, ValueError):
-                continue
-        return busy / _HZ, ours / _HZ
-    except OSError:  # not Linux
-        return None
-
-
-def foreign_cores(before, after, elapsed: float) -> float | None:
-    """Average number of cores other processes kept busy between two snapshots."""
-    if before is None or after is None or elapsed <= 0:
-        return None
-    return max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / elapsed
-
-
-def wait_until_quiet(max_wait: float, threshold: float = 0.25, window: float = 1.0) -> float:
-    """Wait (at most max_wait s) until other processes use < threshold cores; returns seconds waited."""
-    start = time.perf_counter()
-    while time.perf_counter() - start < max_wait:
-        before = cpu_snapshot()
-        time.sleep(window)
-        load = foreign_cores(before, cpu_snapshot(), window)
-        if load is None or load < threshold:
-            break
-    return time.perf_counter() - start
+class Disturbed(RuntimeError):
+    """Other processes took more than --max-foreign cores during the timed window: the run is void."""
 
 
 class StepClock:
-    """Timestamp and trained tokens at the end of every optimizer step."""
+    """Timestamp and trained tokens at the end of every optimizer step.
 
-    def __init__(self, warmup: int, total: int):
-        self.snapshot_at = {warmup, total}  # CPU accounting only where the timed window starts and ends
+    From the end of the warm-up on, it also watches how much CPU other processes take and, when
+    `abort_above` is set, stops a run they disturb (a 2-thread torch step slows down many times
+    when a third runnable thread shares 2 cores) instead of finishing it for nothing.
+    """
+
+    def __init__(self, warmup: int, total: int, abort_above: float | None = None):
+        self.warmup, self.total, self.abort_above = warmup, total, abort_above
         self.times: list[float] = []
         self.tokens: list[int] = []
         self.slots: list[int] = []  # token slots fed to the model (incl. padding)
         self.micro_batches: list[int] = []
         self.threads: set[int] = set()
-        self.cpu: dict[int, tuple | None] = {}
+        self._pids: list[int] | None = None
+        self._cpu_start = self._cpu_end = None
 
     def tick(self, tokens: int, slots: int, micro_batches: int) -> None:
         import torch
 
-        self.times.append(time.perf_counter())
-        if len(self.times) in self.snapshot_at:
-            self.cpu[len(self.times)] = cpu_snapshot()
+        now = time.perf_counter()
+        self.times.append(now)
         self.tokens.append(int(tokens))
         self.slots.append(int(slots))
         self.micro_batches.append(int(micro_batches))
         self.threads.add(torch.get_num_threads())
+        step = len(self.times)
+        if step == self.warmup:
+            self._pids = tree_pids()  # this process and its DataLoader workers, fixed from here on
+            self._cpu_start = cpu_snapshot(self._pids)
+        elif step > self.warmup:
+            self._cpu_end = cpu_snapshot(self._pids)
+            busy = foreign_cores(self._cpu_start, self._cpu_end, now - self.times[self.warmup - 1])
+            if self.abort_above is not None and busy is not None and busy > self.abort_above:
+                raise Disturbed(f"other processes used {busy:.2f} cores during steps {self.warmup + 1}..{step}")
 
-    def result(self, warmup: int) -> dict:
+    def result(self) -> dict:
+        warmup = self.warmup
         if len(self.times) <= warmup:
             raise RuntimeError(f"only {len(self.times)} steps ran, fewer than warm-up + 1")
         elapsed = self.times[-1] - self.times[warmup - 1]
@@ -197,7 +208,7 @@ class StepClock:
             "micro_batches_per_step": sum(self.micro_batches[warmup:]) / steps,
             "step_tokens": self.tokens,  # every step, warm-up included: equal across contenders
             "torch_threads": sorted(self.threads),
-            "foreign_cores": foreign_cores(self.cpu.get(warmup), self.cpu.get(len(self.times)), elapsed),
+            "foreign_cores": foreign_cores(self._cpu_start, self._cpu_end, elapsed),
         }
 
 
@@ -220,15 +231,15 @@ def _model(args):
     return load_causal_lm(TINY_MODEL, random_init=True, seed=args.seed)
 
 
-def _datamodule(args, data_path, packing, num_workers):
+def _datamodule(args, data_path, c: Contender, num_workers):
     from lit_rl.data.datamodules import StaticDataModule
 
     return StaticDataModule(
         data_path,
         batch_size=args.batch_size,
-        micro_batch_tokens=args.micro_batch_tokens,
-        packing=packing,
-        pack_length=args.pack_length,
+        micro_batch_tokens=c.micro_batch_tokens,
+        packing=c.layout,
+        pack_length=c.pack_length,
         max_length=args.max_length,
         num_workers=num_workers,
         tokenizer=TINY_MODEL,
@@ -237,14 +248,14 @@ def _datamodule(args, data_path, packing, num_workers):
     )
 
 
-def run_lit(args, data_path, packing, workdir) -> StepClock:
+def run_lit(args, data_path, c: Contender, workdir, abort_above=None) -> StepClock:
     import lightning as L
     import torch
 
     from lit_rl.modules.sft import SFT
 
     torch.set_num_threads(args.threads)
-    clock = StepClock(args.warmup, args.total_steps)
+    clock = StepClock(args.warmup, args.total_steps, abort_above)
 
     class Clock(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -266,25 +277,25 @@ def run_lit(args, data_path, packing, workdir) -> StepClock:
         default_root_dir=workdir,
         callbacks=[Clock()],
     )
-    trainer.fit(module, datamodule=_datamodule(args, data_path, packing, args.num_workers))
+    trainer.fit(module, datamodule=_datamodule(args, data_path, c, c.num_workers))
     return clock
 
 
-def collect_batches(args, data_path, packing) -> list[dict]:
+def collect_batches(args, data_path, c: Contender) -> list[dict]:
     """The batches StaticDataModule yields for the first total_steps steps (no Trainer, no workers)."""
-    dm = _datamodule(args, data_path, packing, num_workers=0)
+    dm = _datamodule(args, data_path, c, num_workers=0)
     dm.setup("fit")
     it = iter(dm.train_dataloader())
     return [next(it) for _ in range(args.total_steps)]
 
 
-def run_plain(args, batches) -> StepClock:
+def run_plain(args, batches, abort_above=None) -> StepClock:
     import torch
 
     from lit_rl.losses import masked_cross_entropy_sum
 
     torch.set_num_threads(args.threads)
-    clock = StepClock(args.warmup, args.total_steps)
+    clock = StepClock(args.warmup, args.total_steps, abort_above)
     model = _model(args)
     optimizer = _adamw(args)(model.parameters())
     for batch in batches:
@@ -341,14 +352,14 @@ def check_trl_masks(args, data_path) -> int:
     return n
 
 
-def run_trl(args, data_path, padding_free, workdir) -> StepClock:
+def run_trl(args, data_path, c: Contender, workdir, abort_above=None) -> StepClock:
     import datasets
     import torch
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
     torch.set_num_threads(args.threads)
-    clock = StepClock(args.warmup, args.total_steps)
+    clock = StepClock(args.warmup, args.total_steps, abort_above)
     pending = {"tokens": 0, "slots": 0, "micro_batches": 0}
 
     class CountingSFTTrainer(SFTTrainer):
@@ -364,23 +375,23 @@ def run_trl(args, data_path, padding_free, workdir) -> StepClock:
             clock.tick(pending["tokens"], pending["slots"], pending["micro_batches"])
             pending.update(tokens=0, slots=0, micro_batches=0)
 
+    padding_free = c.layout == "padding_free"
     rows = datasets.load_dataset("json", data_files=data_path, split="train")
     rows = rows.select(range(args.total_steps * args.batch_size))
     config = SFTConfig(
         output_dir=os.path.join(workdir, "trl"),
         max_steps=args.total_steps,
-        per_device_train_batch_size=args.trl_micro_batch,
-        gradient_accumulation_steps=args.batch_size // args.trl_micro_batch,
+        per_device_train_batch_size=c.trl_micro_batch,
+        gradient_accumulation_steps=args.batch_size // c.trl_micro_batch,
         learning_rate=args.lr,
         lr_scheduler_type="constant",
         warmup_steps=0,
         weight_decay=0.0,
         max_grad_norm=1.0,
         optim="adamw_torch",
-        # TRL defaults that are wrong for a CPU throughput run: bf16 autocast, gradient checkpointing
-        bf16=False,
+        # SFTConfig defaults that slow a CPU down (bf16 autocast, gradient checkpointing): off unless asked
+        **({} if c.trl_own_defaults else {"bf16": False, "gradient_checkpointing": False}),
         fp16=False,
-        gradient_checkpointing=False,
         use_cpu=True,
         # padding_free without packing refuses to truncate; every row is shorter than max_length anyway
         max_length=None if padding_free else args.max_length,
@@ -415,43 +426,67 @@ def _quiet():
     datasets.disable_progress_bars()
 
 
-def summarize(args, runs: dict[str, list[dict]], elapsed: float, rows_checked: int) -> dict:
+def summarize(args, runs: dict[Contender, list[dict]], elapsed: float, rows_checked: int) -> dict:
     contenders = {}
-    for name, results in runs.items():
+    for c, all_results in runs.items():
+        results = [r for r in all_results if r is not None]  # None: every try of that round was disturbed
+        if not results:
+            contenders[c.name] = {"tokens_per_s_median": None, "rounds_without_result": len(all_results)}
+            continue
         tps = [r["tokens_per_s"] for r in results]
-        contenders[name] = {
+        first = results[0]
+        contenders[c.name] = {
             "tokens_per_s_median": statistics.median(tps),
             "tokens_per_s_runs": [round(x, 1) for x in tps],
-            # cores other processes kept busy during each timed window (the machine is shared)
+            "rounds_without_result": len(all_results) - len(results),
+            # cores other processes kept busy during each timed window (the machine may be shared)
             "foreign_cores_runs": [None if r["foreign_cores"] is None else round(r["foreign_cores"], 2) for r in results],
+            "attempts_runs": [r["attempts"] for r in results],
             "step_s_median": statistics.median(r["step_s"] for r in results),
-            "trained_tokens_per_step": results[0]["trained_tokens_per_step"],
-            "slots_per_step": results[0]["slots_per_step"],
-            # token slots fed to the model (prompt, padding included) per trained token: the waste of a layout
-            "slots_per_trained_token": results[0]["slots_per_step"] / results[0]["trained_tokens_per_step"],
-            "micro_batches_per_step": results[0]["micro_batches_per_step"],
+            "trained_tokens_per_step": first["trained_tokens_per_step"],
+            "slots_per_step": first["slots_per_step"],
+            # token slots fed to the model (prompt and padding included) per trained token: the waste of a layout
+            "slots_per_trained_token": first["slots_per_step"] / first["trained_tokens_per_step"],
+            "micro_batches_per_step": first["micro_batches_per_step"],
             "torch_threads": sorted({t for r in results for t in r["torch_threads"]}),
+            "settings": {k: v for k, v in dataclasses.asdict(c).items() if k != "name"},
         }
-    step_tokens = {name: results[0]["step_tokens"] for name, results in runs.items()}
-    same_tokens = len({tuple(v) for v in step_tokens.values()}) == 1
+    step_tokens = {tuple(r["step_tokens"]) for rs in runs.values() for r in rs if r is not None}
+    same_tokens = len(step_tokens) == 1 if step_tokens else None
+    tps = {name: v["tokens_per_s_median"] for name, v in contenders.items()}
+    runs = {c: rs for c, rs in runs.items() if tps[c.name] is not None}
 
-    def best(prefix):
-        names = [n for n in contenders if n.startswith(prefix)]
-        return max(names, key=lambda n: contenders[n]["tokens_per_s_median"]) if names else None
+    def best(kind, layout=None):
+        names = [c.name for c in runs if c.kind == kind and (layout is None or c.layout == layout)]
+        return max(names, key=tps.get) if names else None
 
-    lit, plain, trl_best = best("lit_"), best("plain_"), best("trl_")
-    ratios, targets = {}, {}
-    if lit and f"plain_{lit[4:]}" in contenders:
-        same_batches = f"plain_{lit[4:]}"
-        ratios["lit_vs_plain"] = contenders[lit]["tokens_per_s_median"] / contenders[same_batches]["tokens_per_s_median"]
-        ratios["lit_vs_plain_pair"] = [lit, same_batches]
-        targets["lit_ge_0.85x_plain"] = ratios["lit_vs_plain"] >= 0.85
+    comparisons = []
+    for c in runs:  # lit-rl against the plain loop over the very same batches
+        twin = next((d for d in runs if d.kind == "plain" and c.kind == "lit" and d.batches_key == c.batches_key), None)
+        if twin is not None:
+            comparisons.append({"what": "lit_vs_plain_same_batches", "a": c.name, "b": twin.name, "ratio": tps[c.name] / tps[twin.name]})
+    lit, trl_best = best("lit"), best("trl")
     if lit and trl_best:
-        ratios["lit_vs_trl_best"] = contenders[lit]["tokens_per_s_median"] / contenders[trl_best]["tokens_per_s_median"]
-        ratios["lit_vs_trl_pair"] = [lit, trl_best]
-        targets["lit_ge_1.5x_trl"] = ratios["lit_vs_trl_best"] >= 1.5
-    if "lit_padded" in contenders and "lit_packed" in contenders:
-        ratios["lit_padded_vs_packed"] = contenders["lit_padded"]["tokens_per_s_median"] / contenders["lit_packed"]["tokens_per_s_median"]
+        for t in [d for d in runs if d.kind == "trl"]:
+            comparisons.append({"what": "best_lit_vs_trl", "a": lit, "b": t.name, "ratio": tps[lit] / tps[t.name]})
+    lit_padded, lit_packed = best("lit", "padded"), best("lit", "packed")
+    for c in runs:
+        if c.kind == "lit" and c.layout == "packed" and lit_padded:
+            comparisons.append({"what": "lit_padded_vs_packed", "a": lit_padded, "b": c.name, "ratio": tps[lit_padded] / tps[c.name]})
+    thin = {name: len(v.get("tokens_per_s_runs", ())) < 2 for name, v in contenders.items()}
+    for x in comparisons:  # a median of fewer than 2 undisturbed runs is a weak number
+        x["reliable"] = not (thin[x["a"]] or thin[x["b"]])
+    targets = {}
+    lit_plain = [x for x in comparisons if x["what"] == "lit_vs_plain_same_batches"]
+    if lit_plain:
+        ours = next((x for x in lit_plain if x["a"] == lit), None) or min(lit_plain, key=lambda x: x["ratio"])
+        targets["lit_ge_0.85x_plain"] = {"pair": [ours["a"], ours["b"]], "ratio": ours["ratio"], "met": ours["ratio"] >= 0.85,
+                                         "all_pairs_met": all(x["ratio"] >= 0.85 for x in lit_plain),
+                                         "reliable": ours["reliable"]}
+    if lit and trl_best:
+        ratio = tps[lit] / tps[trl_best]
+        targets["lit_ge_1.5x_trl"] = {"pair": [lit, trl_best], "ratio": ratio, "met": ratio >= 1.5,
+                                      "reliable": not (thin[lit] or thin[trl_best])}
     import lightning
     import torch
     import transformers
@@ -469,45 +504,49 @@ def summarize(args, runs: dict[str, list[dict]], elapsed: float, rows_checked: i
         },
         "settings": {
             k: getattr(args, k)
-            for k in ("rounds", "warmup", "steps", "batch_size", "micro_batch_tokens", "pack_length", "max_length",
-                      "num_workers", "trl_micro_batch", "rows", "min_tokens", "max_tokens", "lr", "threads", "seed",
-                      "quiet_wait")
+            for k in ("rounds", "warmup", "steps", "batch_size", "max_length", "rows", "min_tokens", "max_tokens", "lr",
+                      "threads", "seed", "quiet_wait", "max_foreign", "retries", "max_wall")
         },
         "same_trained_tokens_every_step": same_tokens,
         "trl_mask_rows_checked": rows_checked,
         "contenders": contenders,
-        "best": {"lit": lit, "plain": plain, "trl": trl_best},
-        "ratios": ratios,
-        "targets_met": targets,
+        "best": {"lit": lit, "plain": best("plain"), "trl": trl_best},
+        "comparisons": comparisons,
+        "targets": targets,
         "wall_s": round(elapsed, 1),
     }
 
 
 def markdown(summary: dict) -> str:
     lines = [
-        "| contender | trained tok/s (median) | runs | s/step | trained tok/step | slots/step | slots per trained tok "
+        "| contender | trained tok/s (median of undisturbed runs) | runs | s/step | trained tok/step | slots/step | slots per trained tok "
         "| micro-batches/step | other procs' cores per run |",
         "|---|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for name, c in summary["contenders"].items():
+        if c["tokens_per_s_median"] is None:
+            lines.append(f"| {name} | no undisturbed run | | | | | | | |")
+            continue
         lines.append(
             f"| {name} | {c['tokens_per_s_median']:.0f} | {', '.join(f'{x:.0f}' for x in c['tokens_per_s_runs'])} | "
             f"{c['step_s_median']:.3f} | {c['trained_tokens_per_step']:.0f} | {c['slots_per_step']:.0f} | "
             f"{c['slots_per_trained_token']:.2f} | {c['micro_batches_per_step']:.1f} | "
             f"{', '.join('?' if x is None else f'{x:.2f}' for x in c['foreign_cores_runs'])} |"
         )
-    r = summary["ratios"]
-    if "lit_vs_plain" in r:
-        lines.append(f"\n{r['lit_vs_plain_pair'][0]} / {r['lit_vs_plain_pair'][1]}: **{r['lit_vs_plain']:.2f}x** (target >= 0.85x)")
-    if "lit_vs_trl_best" in r:
-        lines.append(f"\n{r['lit_vs_trl_pair'][0]} / {r['lit_vs_trl_pair'][1]}: **{r['lit_vs_trl_best']:.2f}x** (target >= 1.5x)")
-    if "lit_padded_vs_packed" in r:
-        lines.append(f"\nlit_padded / lit_packed: {r['lit_padded_vs_packed']:.2f}x")
+    lines.append("")
+    warn = " (WEAK: fewer than 2 undisturbed runs on one side; other processes kept the CPU busy)"
+    for x in summary["comparisons"]:
+        lines.append(f"- {x['what']}: {x['a']} / {x['b']} = {x['ratio']:.2f}x" + ("" if x["reliable"] else warn))
+    for name, t in summary["targets"].items():
+        lines.append(f"- target {name}: {t['pair'][0]} / {t['pair'][1]} = **{t['ratio']:.2f}x** -> {'met' if t['met'] else 'NOT met'}"
+                     + ("" if t["reliable"] else warn))
+    lines.append(f"- same trained tokens in every step for every contender: {summary['same_trained_tokens_every_step']}")
     return "\n".join(lines)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    exit_on_sigterm()
     start = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix="lit_rl_bench_sft_")
     os.environ["HF_DATASETS_CACHE"] = os.path.join(workdir, "hf_datasets")  # keep Arrow caches out of ~/.cache
@@ -519,38 +558,46 @@ def main(argv=None) -> dict:
         data_path = write_chats_jsonl(
             os.path.join(workdir, "chats.jsonl"), args.rows, seed=args.seed, min_tokens=args.min_tokens, max_tokens=args.max_tokens
         )
-        rows_checked = check_trl_masks(args, data_path) if any(c.startswith("trl_") for c in args.contenders) else 0
-        plain_batches = {
-            mode: collect_batches(args, data_path, mode) for mode in ("padded", "packed") if f"plain_{mode}" in args.contenders
-        }
-        runs: dict[str, list[dict]] = {name: [] for name in args.contenders}
+        rows_checked = check_trl_masks(args, data_path) if any(c.kind == "trl" for c in args.contenders) else 0
+        plain_batches = {c.batches_key: collect_batches(args, data_path, c) for c in args.contenders if c.kind == "plain"}
+        runs: dict[Contender, list[dict]] = {c: [] for c in args.contenders}
         for rnd in range(args.rounds):
-            for name in args.contenders:
-                kind, mode = name.split("_", 1)
+            for c in args.contenders:
+                result = None
                 for attempt in range(args.retries + 1):
-                    waited = wait_until_quiet(args.quiet_wait)
+                    late = time.perf_counter() - start > args.max_wall
+                    if late and attempt > 0:
+                        break
+                    waited = wait_until_quiet(0.0 if late else args.quiet_wait)
+                    abort_above = args.max_foreign  # a disturbed run is stopped early, not finished for nothing
                     t0 = time.perf_counter()
-                    if kind == "lit":
-                        clock = run_lit(args, data_path, mode, workdir)
-                    elif kind == "plain":
-                        clock = run_plain(args, plain_batches[mode])
-                    else:
-                        clock = run_trl(args, data_path, mode == "padding_free", workdir)
-                    result = clock.result(args.warmup)
+                    try:
+                        if c.kind == "lit":
+                            clock = run_lit(args, data_path, c, workdir, abort_above)
+                        elif c.kind == "plain":
+                            clock = run_plain(args, plain_batches[c.batches_key], abort_above)
+                        else:
+                            clock = run_trl(args, data_path, c, workdir, abort_above)
+                    except Exception as e:  # Lightning and TRL may wrap what a callback raises
+                        cause = e
+                        while cause is not None and not isinstance(cause, Disturbed):
+                            cause = cause.__cause__ or cause.__context__
+                        if cause is None:
+                            raise
+                        print(f"round {rnd + 1}/{args.rounds} {c.name:30s} stopped: {cause}", file=sys.stderr, flush=True)
+                        continue
+                    result = clock.result()
                     busy = result["foreign_cores"]
-                    disturbed = busy is not None and busy > args.max_foreign
                     print(
-                        f"round {rnd + 1}/{args.rounds} {name:17s} {result['tokens_per_s']:8.0f} trained tok/s "
+                        f"round {rnd + 1}/{args.rounds} {c.name:30s} {result['tokens_per_s']:6.0f} trained tok/s "
                         f"({result['step_s']:.3f} s/step, run {time.perf_counter() - t0:.1f} s, waited {waited:.0f} s "
-                        f"for a quiet CPU, other processes used {'?' if busy is None else f'{busy:.2f}'} cores"
-                        + (", redo)" if disturbed and attempt < args.retries else ")"),
+                        f"for a quiet CPU, other processes used {'?' if busy is None else f'{busy:.2f}'} cores)",
                         file=sys.stderr,
                         flush=True,
                     )
-                    if not disturbed:
-                        break
-                result["attempts"] = attempt + 1
-                runs[name].append(result)
+                    result["attempts"] = attempt + 1
+                    break
+                runs[c].append(result)
         summary = summarize(args, runs, time.perf_counter() - start, rows_checked)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
