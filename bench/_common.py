@@ -145,3 +145,14 @@ def wait_until_quiet(max_wait: float, threshold: float = 0.25, window: float = 1
         if load is None or load < threshold:
             break
     return time.perf_counter() - start
+
+
+def report(summary: dict, markdown, json_path: str | None) -> dict:
+    """Print a benchmark's JSON summary and its markdown table; also write the JSON if asked."""
+    print(json.dumps(summary, indent=2))
+    print()
+    print(markdown(summary))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary

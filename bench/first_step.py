@@ -41,7 +41,7 @@ import time
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
-from _common import REPO, TINY_MODEL, exit_on_sigterm, machine_busy_s, wait_until_quiet, write_chats_jsonl  # noqa: E402
+from _common import REPO, TINY_MODEL, exit_on_sigterm, machine_busy_s, report, wait_until_quiet, write_chats_jsonl  # noqa: E402
 
 CLOCK_ENV = "BENCH_FIRST_STEP_CLOCK"  # not LIT_RL_*: the CLI reads those as config overrides
 
@@ -260,13 +260,7 @@ def main(argv=None) -> dict:
         "warm_first_step_growth": growth,
         "wall_s": round(time.perf_counter() - start, 1),
     }
-    print(json.dumps(summary, indent=2))
-    print()
-    print(markdown(summary))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
-    return summary
+    return report(summary, markdown, args.json)
 
 
 def markdown(summary: dict) -> str:

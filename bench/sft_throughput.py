@@ -61,7 +61,7 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
-    TINY_MODEL, cpu_snapshot, exit_on_sigterm, foreign_cores, tree_pids, wait_until_quiet, write_chats_jsonl,
+    TINY_MODEL, cpu_snapshot, exit_on_sigterm, foreign_cores, report, tree_pids, wait_until_quiet, write_chats_jsonl,
 )
 
 KINDS = {"lit": ("padded", "packed"), "plain": ("padded", "packed"), "trl": ("padded", "padding_free")}
@@ -601,13 +601,7 @@ def main(argv=None) -> dict:
         summary = summarize(args, runs, time.perf_counter() - start, rows_checked)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    print(json.dumps(summary, indent=2))
-    print()
-    print(markdown(summary))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
-    return summary
+    return report(summary, markdown, args.json)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,16 @@ def restore_shared_server(vllm_server):
     asyncio.run(run())
 
 
+def fit_on_shared_server(config, vllm_server, *args):
+    """`lit-rl fit` whose evaluator uses the session's server; the server gets its weights back."""
+    try:
+        out = lit_rl("fit", "--config", str(config), *args)
+    finally:
+        restore_shared_server(vllm_server)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out
+
+
 @pytest.mark.slow
 def test_sft_with_online_evals_learns_and_logs_every_due_step(tmp_path, reverse_data, vllm_server):
     envs = [
@@ -102,11 +112,7 @@ def test_sft_with_online_evals_learns_and_logs_every_due_step(tmp_path, reverse_
          "init_args": {"path": str(reverse_data / "test.jsonl"), "num_examples": 20}},
     ]
     config = write_config(tmp_path, reverse_data, steps=100, interval=50, envs=envs, base_url=vllm_server.base_url)
-    try:
-        out = lit_rl("fit", "--config", str(config))
-    finally:
-        restore_shared_server(vllm_server)
-    assert out.returncode == 0, out.stderr[-4000:]
+    fit_on_shared_server(config, vllm_server)
     root = tmp_path / "run"
     metrics = eval_metrics(root)
     reward, loss = metrics["eval/reverse_text/reward"], metrics["eval/held_out_loss/loss"]
@@ -125,11 +131,7 @@ def test_vanished_checkpoint_is_skipped_and_training_succeeds(tmp_path, reverse_
     envs = [{"class_path": "online_eval_helpers.DeleteFinalStepAtBase",
              "init_args": {"path": str(reverse_data / "test.jsonl"), "num_examples": 5}}]
     config = write_config(tmp_path, reverse_data, steps=6, interval=3, envs=envs, base_url=vllm_server.base_url)
-    try:
-        out = lit_rl("fit", "--config", str(config))
-    finally:
-        restore_shared_server(vllm_server)
-    assert out.returncode == 0, out.stderr[-4000:]
+    fit_on_shared_server(config, vllm_server)
     root = tmp_path / "run"
     done = [json.loads(line) for line in open(root / "evals" / "done.jsonl")]
     status = {d["step"]: d["status"] for d in done}
