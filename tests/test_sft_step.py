@@ -19,9 +19,9 @@ def sgd(params):
     return torch.optim.SGD(params, lr=1.0)
 
 
-def one_step(data_file, *, micro_batch_tokens, packing, batch_size=8):
+def one_step(data_file, *, micro_batch_tokens, packing, batch_size=8, **module_kw):
     L.seed_everything(0)
-    module = SFT(model=TINY_MODEL, random_init=True, optimizer=sgd, max_grad_norm=None)
+    module = SFT(model=TINY_MODEL, random_init=True, optimizer=sgd, max_grad_norm=None, **module_kw)
     dm = StaticDataModule(
         data_file, batch_size=batch_size, shuffle=False, micro_batch_tokens=micro_batch_tokens,
         packing=packing, max_length=64, num_workers=0,
@@ -72,3 +72,11 @@ def test_update_is_invariant_to_micro_batch_split_and_layout(data_file):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=f"{name} differs with {budget}/{packing}")
         # the small budgets really did split the step into several micro-batches
         assert metrics["train/micro_batches"].item() > 1
+
+
+def test_gradient_checkpointing_gives_the_same_update(data_file):
+    _, reference, _ = one_step(data_file, micro_batch_tokens=4096, packing="padded")
+    _, checkpointed, _ = one_step(data_file, micro_batch_tokens=4096, packing="padded", gradient_checkpointing=True)
+    assert checkpointed.model.is_gradient_checkpointing
+    for a, b in zip(reference.model.parameters(), checkpointed.model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
