@@ -132,8 +132,8 @@ def parse_args(argv=None):
     p.add_argument("--retries", type=int, default=2,
                    help="redos of a run stopped as disturbed; when all tries are disturbed the round has no number for it")
     p.add_argument("--max-wall", type=float, default=480.0,
-                   help="after this many seconds, stop waiting for a quiet CPU and stop redoing (disturbed runs are still "
-                        "stopped and left out); quiet, the defaults take ~4 min")
+                   help="after this many seconds no further run starts (the summary covers what ran); quiet, the "
+                        "defaults take ~3 min")
     p.add_argument("--json", default=None, help="also write the JSON summary to this file")
     args = p.parse_args(argv)
     if args.warmup < 1:
@@ -159,9 +159,9 @@ class Disturbed(RuntimeError):
 class StepClock:
     """Timestamp and trained tokens at the end of every optimizer step.
 
-    From the end of the warm-up on, it also watches how much CPU other processes take and, when
-    `abort_above` is set, stops a run they disturb (a 2-thread torch step slows down many times
-    when a third runnable thread shares 2 cores) instead of finishing it for nothing.
+    From the end of the first step on, it also watches how much CPU other processes take and,
+    when `abort_above` is set, stops a run they disturb (a 2-thread torch step slows down many
+    times when a third runnable thread shares 2 cores) instead of finishing it for nothing.
     """
 
     def __init__(self, warmup: int, total: int, abort_above: float | None = None):
@@ -172,7 +172,7 @@ class StepClock:
         self.micro_batches: list[int] = []
         self.threads: set[int] = set()
         self._pids: list[int] | None = None
-        self._cpu_start = self._cpu_end = None
+        self._cpu_first = self._cpu_start = self._cpu_end = None
 
     def tick(self, tokens: int, slots: int, micro_batches: int) -> None:
         import torch
@@ -184,14 +184,20 @@ class StepClock:
         self.micro_batches.append(int(micro_batches))
         self.threads.add(torch.get_num_threads())
         step = len(self.times)
-        if step == self.warmup:
+        if step == 1:
             self._pids = tree_pids()  # this process and its DataLoader workers, fixed from here on
-            self._cpu_start = cpu_snapshot(self._pids)
-        elif step > self.warmup:
-            self._cpu_end = cpu_snapshot(self._pids)
-            busy = foreign_cores(self._cpu_start, self._cpu_end, now - self.times[self.warmup - 1])
+            self._cpu_first = cpu_snapshot(self._pids)
+        else:
+            snapshot = cpu_snapshot(self._pids)
+            if step == self.warmup:
+                self._cpu_start = snapshot
+            elif step > self.warmup:
+                self._cpu_end = snapshot
+            busy = foreign_cores(self._cpu_first, snapshot, now - self.times[0])  # since the end of step 1
             if self.abort_above is not None and busy is not None and busy > self.abort_above:
-                raise Disturbed(f"other processes used {busy:.2f} cores during steps {self.warmup + 1}..{step}")
+                raise Disturbed(f"other processes used {busy:.2f} cores during steps 2..{step}")
+        if step == self.warmup == 1:
+            self._cpu_start = self._cpu_first
 
     def result(self) -> dict:
         warmup = self.warmup
@@ -525,7 +531,7 @@ def markdown(summary: dict) -> str:
     ]
     for name, c in summary["contenders"].items():
         if c["tokens_per_s_median"] is None:
-            lines.append(f"| {name} | no undisturbed run | | | | | | | |")
+            lines.append(f"| {name} | no number: every run disturbed (or none started) | | | | | | | |")
             continue
         lines.append(
             f"| {name} | {c['tokens_per_s_median']:.0f} | {', '.join(f'{x:.0f}' for x in c['tokens_per_s_runs'])} | "
@@ -561,14 +567,17 @@ def main(argv=None) -> dict:
         rows_checked = check_trl_masks(args, data_path) if any(c.kind == "trl" for c in args.contenders) else 0
         plain_batches = {c.batches_key: collect_batches(args, data_path, c) for c in args.contenders if c.kind == "plain"}
         runs: dict[Contender, list[dict]] = {c: [] for c in args.contenders}
+        out_of_time = False
         for rnd in range(args.rounds):
             for c in args.contenders:
                 result = None
                 for attempt in range(args.retries + 1):
-                    late = time.perf_counter() - start > args.max_wall
-                    if late and attempt > 0:
+                    if time.perf_counter() - start > args.max_wall:
+                        if not out_of_time:
+                            print(f"--max-wall {args.max_wall:.0f} s reached: no further runs", file=sys.stderr, flush=True)
+                        out_of_time = True
                         break
-                    waited = wait_until_quiet(0.0 if late else args.quiet_wait)
+                    waited = wait_until_quiet(args.quiet_wait)
                     abort_above = args.max_foreign  # a disturbed run is stopped early, not finished for nothing
                     t0 = time.perf_counter()
                     try:
