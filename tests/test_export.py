@@ -92,3 +92,20 @@ def test_failed_export_names_the_path_and_keeps_earlier_steps(tmp_path):
         signal.signal(signal.SIGXFSZ, old)
     assert sorted(stable_steps(root)) == [1] and not unfinished(root)
     assert AutoModelForCausalLM.from_pretrained(step_dir(root, 1)) is not None
+
+
+def test_later_exports_write_the_same_bytes_as_save_pretrained(tmp_path):
+    """After the first export of a run, HFExport replays the small files and writes the weights
+    with plain safetensors; the result must equal what save_pretrained writes, byte for byte."""
+    export = HFExport(every_n_steps=1)
+    module, root = train(tmp_path, 3, [export])
+    assert export._step_files, "the tiny Qwen3 should take the replay path after the first export"
+    reference = tmp_path / "reference"
+    module.model.save_pretrained(reference)
+    AutoTokenizer.from_pretrained(TINY_MODEL).save_pretrained(reference)
+    replayed = step_dir(root, 3)
+    assert sorted(p.name for p in replayed.iterdir()) == sorted([p.name for p in reference.iterdir()] + ["STABLE"])
+    for path in reference.iterdir():
+        assert (replayed / path.name).read_bytes() == path.read_bytes(), path.name
+    # and the replay wrote the new weights, not the first export's
+    assert (step_dir(root, 1) / "model.safetensors").read_bytes() != (replayed / "model.safetensors").read_bytes()

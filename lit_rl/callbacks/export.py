@@ -8,6 +8,7 @@ config, following the STABLE protocol of the run directory (lit_rl/run_dir.py), 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -18,6 +19,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from transformers import AutoTokenizer
 
+from lit_rl.callbacks.step_files import StepFiles, learn_step_files
 from lit_rl.modules.model_loading import resolve_dtype
 from lit_rl.run_dir import STABLE, in_use, stable_steps, step_dir, unfinished
 
@@ -52,6 +54,7 @@ class HFExport(L.Callback):
         self.last_exported: int | None = None
         self._loaded_tokenizer = None
         self._prepared_for = None
+        self._step_files: StepFiles | None | bool = None  # learnt at the run's first export; False: keep the general path
 
     def _tokenizer(self, pl_module):
         """Loaded once per run: every export writes the same tokenizer files."""
@@ -72,6 +75,7 @@ class HFExport(L.Callback):
         if self._prepared_for is trainer:
             return
         self._prepared_for = trainer
+        self._step_files = None  # learnt again: the module may differ from the last run's
         root = Path(trainer.default_root_dir)
         resumed = trainer.ckpt_path is not None
         if trainer.is_global_zero:
@@ -130,15 +134,10 @@ class HFExport(L.Callback):
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             tmp.mkdir(parents=True)
-            model = pl_module.model
-            model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-            if self.dtype is not None:
-                import json
-
-                cfg = json.loads((tmp / "config.json").read_text())
-                cfg["dtype"] = cfg["torch_dtype"] = str(self.dtype).removeprefix("torch.")
-                (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-            self._tokenizer(pl_module).save_pretrained(tmp)
+            if self._step_files:
+                self._step_files.write(state, tmp)
+            else:
+                self._write_general(pl_module, state, tmp)
             _fsync_tree(tmp)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
@@ -147,6 +146,17 @@ class HFExport(L.Callback):
             shutil.rmtree(tmp, ignore_errors=True)
             raise ExportError(f"HFExport: could not write {final}: {type(e).__name__}: {e}") from e
         rank_zero_info(f"exported {final}")
+
+    def _write_general(self, pl_module, state: dict[str, torch.Tensor], tmp: Path) -> None:
+        """save_pretrained + tokenizer; the first export of a run also learns the fast replay."""
+        pl_module.model.save_pretrained(tmp, state_dict=dict(state), safe_serialization=True)  # it pops keys
+        if self.dtype is not None:
+            cfg = json.loads((tmp / "config.json").read_text())
+            cfg["dtype"] = cfg["torch_dtype"] = str(self.dtype).removeprefix("torch.")
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        self._tokenizer(pl_module).save_pretrained(tmp)
+        if self._step_files is None:
+            self._step_files = learn_step_files(tmp, state) or False
 
     def in_use(self, path: Path) -> bool:
         """Whether a consumer still needs this step directory; retention never deletes it then.
