@@ -17,6 +17,7 @@ import yaml
 from lit_rl.eval.plan import DoneLog, EvalPlan
 from helpers import REPO
 from online_eval_helpers import evaluator_processes
+from wandb_records import history, run_id
 
 EXAMPLE = REPO / "examples" / "reverse_text" / "sft_online_eval.yaml"
 
@@ -29,6 +30,23 @@ def test_plan_due_steps():
     assert plan.due(51, ["a", "b"], 51) == ["a", "b"]  # the final step runs every eval
     assert plan.due(7, ["a", "b"], None) == []
     assert EvalPlan(envs=[], eval_base=False).due(0, ["a"], None) == []
+
+
+def test_evaluator_can_be_pinned_to_cores_training_leaves_free():
+    """OnlineEval(cpus=...): the evaluator process (and the vLLM CPU server it starts, through
+    VLLM_CPU_OMP_THREADS_BIND) keeps to the given cores; a core the machine lacks is refused."""
+    from lit_rl.callbacks.online_eval import _prepare_child, check_cpus, pinned_environment
+
+    core = max(os.sched_getaffinity(0))
+    cpus = check_cpus([core])
+    probe = "import os; print(sorted(os.sched_getaffinity(0)), os.environ['VLLM_CPU_OMP_THREADS_BIND'])"
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **pinned_environment(cpus)},
+                         preexec_fn=lambda: _prepare_child(cpus), capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [f"[{core}]", str(core)]
+    with pytest.raises(ValueError, match="OnlineEval.cpus"):
+        check_cpus([core + 1000])
+    with pytest.raises(ValueError, match="OnlineEval.cpus"):
+        check_cpus([])
 
 
 def test_done_log_survives_restart_and_forgets_the_future(tmp_path):
@@ -188,3 +206,42 @@ def test_resume_does_not_repeat_done_evals(tmp_path, reverse_data, vllm_server):
         rows += [int(r["step"]) for r in csv.DictReader(open(path)) if r["name"] == "eval/reverse_text/reward"]
     assert len(rows) == len(set(rows)), f"an eval was repeated: {rows}"
     assert {0, 4, 8} <= set(rows) and set(rows) <= {0, 2, 4, 6, 8}
+
+
+@pytest.mark.slow
+def test_evaluator_writes_into_the_trainers_wandb_run(tmp_path, reverse_data, vllm_server):
+    """With W&B on (offline here: no W&B server is reachable), the evaluator writes into the
+    trainer's run id, beside the trainer's files, with eval metrics against the policy version."""
+    envs = [{"class_path": "lit_rl.rollouts.ReverseTextEnv",
+             "init_args": {"path": str(reverse_data / "test.jsonl"), "num_examples": 5}}]
+    path = write_config(tmp_path, reverse_data, steps=4, interval=2, envs=envs, base_url=vllm_server.base_url)
+    config = yaml.safe_load(path.read_text())
+    config["trainer"]["log_every_n_steps"] = 1
+    config["trainer"]["logger"] = {"class_path": "lightning.pytorch.loggers.WandbLogger",
+                                   "init_args": {"offline": True, "project": "lit-rl-test", "save_dir": str(tmp_path)}}
+    path.write_text(yaml.safe_dump(config))
+    fit_on_shared_server(path, vllm_server)
+    files = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 2, files  # the trainer's and the evaluator's, ...
+    assert len({run_id(f) for f in files}) == 1, files  # ... for one run id
+    trainer, evaluator = sorted((history(f) for f in files), key=lambda rows: any("eval/policy_version" in r for r in rows))
+    assert [r["trainer/global_step"] for r in trainer if "train/loss" in r] == [0, 1, 2, 3]
+    evals = [(r["eval/policy_version"], r["trainer/global_step"], r["eval/reverse_text/policy_version"]) for r in evaluator]
+    assert evals == [(0, 0, 0), (2, 2, 2), (4, 4, 4)]  # base model, interval, final step
+    assert all(0 <= r["eval/reverse_text/reward"] <= 1 for r in evaluator)
+
+
+def test_online_wandb_run_is_made_shared_with_the_trainer_primary():
+    """Online W&B cannot run here; what can be checked is the request the trainer's logger
+    will make: W&B shared mode, trainer primary, user settings kept; offline left alone."""
+    import wandb
+    from lightning.pytorch.loggers import WandbLogger
+
+    from lit_rl.eval.wandb_shared import make_trainer_primary
+
+    online = WandbLogger(project="p", settings={"x_label": "mine", "console": "off"})
+    assert make_trainer_primary(online)
+    settings = wandb.Settings(**online._wandb_init["settings"])
+    assert (settings.mode, settings.x_primary, settings.x_label, settings.console) == ("shared", True, "mine", "off")
+    offline = WandbLogger(project="p", offline=True)
+    assert not make_trainer_primary(offline) and "settings" not in offline._wandb_init

@@ -35,6 +35,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_rl.callbacks.export import HFExport
 from lit_rl.eval.plan import DoneLog, EvalPlan, clear_final_step, evals_dir, write_final_step
+from lit_rl.eval.wandb_shared import describe_run, make_trainer_primary
 from lit_rl.rollouts.envs import Environment
 from lit_rl.run_dir import in_use, step_of
 
@@ -45,6 +46,27 @@ def _die_with_parent() -> None:
     """In the child before exec: get SIGTERM when the trainer dies, even by SIGKILL (Linux)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def check_cpus(cpus: list[int] | None) -> list[int] | None:
+    if cpus is None:
+        return None
+    allowed = set(range(os.cpu_count() or 1))  # not this process's affinity: training may be pinned elsewhere
+    if not cpus or not set(cpus) <= allowed:
+        raise ValueError(f"OnlineEval.cpus must be a non-empty list of this machine's cores {sorted(allowed)}, got {cpus}")
+    return sorted(set(cpus))
+
+
+def pinned_environment(cpus: list[int]) -> dict[str, str]:
+    """Threads of the evaluator's torch and of vLLM's CPU engine stay on the given cores."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), "OMP_NUM_THREADS": str(len(cpus))}
+
+
+def _prepare_child(cpus: list[int] | None) -> None:
+    """In the evaluator before exec: die with the trainer, and keep to its cores."""
+    _die_with_parent()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
 
 class OnlineEval(L.Callback):
@@ -58,6 +80,7 @@ class OnlineEval(L.Callback):
         api_key: str | None = None,
         server: dict | None = None,
         final_timeout: float = 900.0,
+        cpus: list[int] | None = None,
     ):
         """
         Args:
@@ -71,6 +94,9 @@ class OnlineEval(L.Callback):
             server: options for the server lit-rl starts (``lit_rl.inference.server.VLLMServer``),
                 e.g. ``{max_model_len: 1024, dtype: float32}``.
             final_timeout: seconds the trainer waits at the end for the final eval.
+            cpus: CPU cores for the evaluator and the vLLM CPU server it starts, e.g. the cores
+                training leaves free (pin training with ``taskset``). None: no pinning, so on a
+                CPU machine both compete for the same cores.
         """
         if interval < 1 or any(v < 1 for v in (intervals or {}).values()):
             raise ValueError(f"OnlineEval: intervals must be >= 1, got interval={interval}, intervals={intervals}")
@@ -87,6 +113,7 @@ class OnlineEval(L.Callback):
         self.names = names
         self.base_url, self.api_key, self.server = base_url, api_key, dict(server or {})
         self.final_timeout = final_timeout
+        self.cpus = check_cpus(cpus)
         self.proc: subprocess.Popen | None = None
         self.export: HFExport | None = None
 
@@ -103,6 +130,11 @@ class OnlineEval(L.Callback):
         return not all(done.handled(step, n) for n in self.plan.due(step, self.names, None))
 
     # ---- start ----------------------------------------------------------------------------------------
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger) and trainer.is_global_zero:
+                make_trainer_primary(logger)  # before the run starts: the evaluator will write into it
+
     def on_train_start(self, trainer, pl_module) -> None:
         exports = [c for c in trainer.callbacks if isinstance(c, HFExport)]
         if not exports:
@@ -131,8 +163,7 @@ class OnlineEval(L.Callback):
             if isinstance(logger, CSVLogger):
                 args += ["--log-dir", logger.log_dir]
             elif isinstance(logger, WandbLogger):
-                run = logger.experiment
-                args += ["--wandb", json.dumps({"id": run.id, "project": run.project, "entity": run.entity})]
+                args += ["--wandb", json.dumps(describe_run(logger.experiment))]
         return args
 
     def _start_evaluator(self, trainer, root: Path) -> None:
@@ -143,6 +174,11 @@ class OnlineEval(L.Callback):
         else:
             cmd += ["--server", json.dumps(self.server)]
         env = dict(os.environ)
+        env.pop("WANDB_SERVICE", None)  # the trainer's W&B service refuses a second writer of its run id
+        pin = None
+        if self.cpus:
+            env.update(pinned_environment(self.cpus))
+            pin = self.cpus
         if self.api_key:
             env["LIT_RL_EVAL_API_KEY"] = self.api_key
             cmd += ["--api-key-env", "LIT_RL_EVAL_API_KEY"]
@@ -150,7 +186,7 @@ class OnlineEval(L.Callback):
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log_file:
             self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+                                         start_new_session=True, preexec_fn=lambda: _prepare_child(pin))
         rank_zero_info(f"OnlineEval: evaluator started (pid {self.proc.pid}), log: {log_path}")
 
     # ---- during and after training ---------------------------------------------------------------------

@@ -23,10 +23,9 @@ class EvalLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._wandb = None
         if wandb_run:
-            import wandb
+            from lit_rl.eval.wandb_shared import join_as_evaluator
 
-            self._wandb = wandb.init(resume="allow", **wandb_run)
-            self._wandb.define_metric("eval/*", step_metric="eval/policy_version")
+            self._wandb = join_as_evaluator(wandb_run)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         new = not self.path.exists()
@@ -38,7 +37,7 @@ class EvalLogger:
             for name, value in metrics.items():
                 writer.writerow({"step": step, "name": name, "value": value, "time": now})
         if self._wandb is not None:
-            self._wandb.log(dict(metrics))
+            self._wandb.log({**metrics, "eval/policy_version": step, "trainer/global_step": step})
 
     def close(self) -> None:
         if self._wandb is not None:
