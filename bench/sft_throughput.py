@@ -21,7 +21,10 @@ Contenders (``--contenders``: comma separated ``kind_layout[/key=value...]``):
   Options: mbt=<micro_batch_tokens> and pack=<pack_length> (lit/plain), workers=<num_workers>
   (lit), mb=<rows per forward> (TRL; the rest of the step's rows go to gradient accumulation),
   trldefaults=1 (TRL: keep SFTConfig's own bf16=True and gradient_checkpointing=True, which
-  every other TRL run turns off because both slow a CPU down).
+  every other TRL run turns off because both slow a CPU down), compile=1 (all kinds:
+  torch.compile the model with dynamic shapes: lit-rl SFT(torch_compile=True), the plain loop
+  torch.compile(model, dynamic=True), TRL torch_compile=True; use --warmup 4 or more so the
+  compilation falls into the warm-up).
 TRL trains the same tokens through assistant_only_loss=True, with the tiny model's own template
 plus {% generation %} markers (checked token for token against lit-rl's masks before timing).
 
@@ -66,7 +69,7 @@ from _common import (  # noqa: E402
 
 KINDS = {"lit": ("padded", "packed"), "plain": ("padded", "packed"), "trl": ("padded", "padding_free")}
 OPTIONS = {"mbt": "micro_batch_tokens", "pack": "pack_length", "workers": "num_workers", "mb": "trl_micro_batch",
-           "trldefaults": "trl_own_defaults"}
+           "trldefaults": "trl_own_defaults", "compile": "compile"}
 DEFAULT_CONTENDERS = ",".join([
     "lit_padded/mbt=512", "plain_padded/mbt=512", "trl_padded/mb=8",
     "lit_packed/mbt=1024/pack=256", "plain_packed/mbt=1024/pack=256", "trl_padding_free/mb=4",
@@ -84,6 +87,7 @@ class Contender:
     num_workers: int
     trl_micro_batch: int
     trl_own_defaults: int = 0  # 1: keep SFTConfig's bf16=True and gradient_checkpointing=True (slow on CPU)
+    compile: int = 0  # 1: torch.compile the model (lit: SFT(compile=True); TRL: torch_compile=True)
 
     @property
     def batches_key(self) -> tuple:
@@ -267,7 +271,7 @@ def run_lit(args, data_path, c: Contender, workdir, abort_above=None) -> StepClo
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             clock.tick(*_batch_counts(batch["micro_batches"]))
 
-    module = SFT(model=TINY_MODEL, random_init=True, optimizer=_adamw(args), max_grad_norm=1.0)
+    module = SFT(model=TINY_MODEL, random_init=True, optimizer=_adamw(args), max_grad_norm=1.0, torch_compile=bool(c.compile))
     module.model = _model(args)  # the same seeded init as the other contenders; configure_model keeps it
     trainer = L.Trainer(
         accelerator="cpu",
@@ -295,7 +299,7 @@ def collect_batches(args, data_path, c: Contender) -> list[dict]:
     return [next(it) for _ in range(args.total_steps)]
 
 
-def run_plain(args, batches, abort_above=None) -> StepClock:
+def run_plain(args, batches, c: Contender, abort_above=None) -> StepClock:
     import torch
 
     from lit_rl.losses import masked_cross_entropy_sum
@@ -303,13 +307,14 @@ def run_plain(args, batches, abort_above=None) -> StepClock:
     torch.set_num_threads(args.threads)
     clock = StepClock(args.warmup, args.total_steps, abort_above)
     model = _model(args)
+    forward = torch.compile(model, dynamic=True) if c.compile else model
     optimizer = _adamw(args)(model.parameters())
     for batch in batches:
         micro_batches = batch["micro_batches"]
         counts = _batch_counts(micro_batches)
         optimizer.zero_grad(set_to_none=True)
         for mb in micro_batches:
-            logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
+            logits = forward(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
             loss_sum = masked_cross_entropy_sum(logits, mb["input_ids"], mb["loss_mask"])
             (loss_sum / max(counts[0], 1)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -410,6 +415,7 @@ def run_trl(args, data_path, c: Contender, workdir, abort_above=None) -> StepClo
         report_to="none",
         disable_tqdm=True,
         seed=args.seed,
+        torch_compile=bool(c.compile),
     )
     trainer = CountingSFTTrainer(
         model=_model(args), args=config, train_dataset=rows, processing_class=trl_tokenizer(), callbacks=[Clock()]
@@ -584,7 +590,7 @@ def main(argv=None) -> dict:
                         if c.kind == "lit":
                             clock = run_lit(args, data_path, c, workdir, abort_above)
                         elif c.kind == "plain":
-                            clock = run_plain(args, plain_batches[c.batches_key], abort_above)
+                            clock = run_plain(args, plain_batches[c.batches_key], c, abort_above)
                         else:
                             clock = run_trl(args, data_path, c, workdir, abort_above)
                     except Exception as e:  # Lightning and TRL may wrap what a callback raises

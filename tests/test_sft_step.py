@@ -74,6 +74,18 @@ def test_update_is_invariant_to_micro_batch_split_and_layout(data_file):
         assert metrics["train/micro_batches"].item() > 1
 
 
+def test_torch_compile_gives_the_same_update_and_state_dict_names(data_file):
+    _, reference, _ = one_step(data_file, micro_batch_tokens=256, packing="packed")
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    _, compiled, _ = one_step(data_file, micro_batch_tokens=256, packing="packed", torch_compile=True)
+    assert counters["stats"]["unique_graphs"] > 0  # the forward really ran compiled
+    assert list(compiled.model.state_dict()) == list(reference.model.state_dict())
+    for a, b in zip(reference.model.parameters(), compiled.model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
 def test_gradient_checkpointing_gives_the_same_update(data_file):
     _, reference, _ = one_step(data_file, micro_batch_tokens=4096, packing="padded")
     _, checkpointed, _ = one_step(data_file, micro_batch_tokens=4096, packing="padded", gradient_checkpointing=True)

@@ -36,6 +36,7 @@ class CausalLMModule(L.LightningModule):
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: LRSchedulerCallable | None = None,
         max_grad_norm: float | None = 1.0,
+        torch_compile: bool = False,
     ):
         """
         Args:
@@ -51,6 +52,9 @@ class CausalLMModule(L.LightningModule):
             optimizer: called with the parameters; e.g. class_path torch.optim.AdamW.
             lr_scheduler: called with the optimizer; stepped once per optimizer step.
             max_grad_norm: clip the global gradient norm to this; None disables clipping.
+            torch_compile: compile the model's forward with ``torch.compile`` (dynamic shapes).
+                About 1.2x faster steps for small models on CPU (docs/benchmarks.md), after a
+                first step that pays the compilation (tens of seconds on a few cores).
         """
         super().__init__()
         self.model_name = model
@@ -63,25 +67,30 @@ class CausalLMModule(L.LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
         self.max_grad_norm = max_grad_norm
+        self.torch_compile = torch_compile
         self.model = None  # built in configure_model
         self.automatic_optimization = False
         self._last_step_end: float | None = None
         self._val_sums: list[torch.Tensor] = []
+        self._compiled = False
 
     # ---- model -------------------------------------------------------------------------
     def configure_model(self) -> None:
-        """Load or build the HF model once; Lightning may call this more than once."""
-        if self.model is not None:
-            return
-        self.model = load_causal_lm(
-            self.model_name,
-            random_init=self.random_init,
-            dtype=self.dtype_name,
-            trust_remote_code=self.trust_remote_code,
-            attn_implementation=self.attn_implementation,
-        )
-        if self.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        """Load or build the HF model once; Lightning may call this more than once.
+        A model set beforehand (``module.model = ...``) is kept, and still compiled if asked."""
+        if self.model is None:
+            self.model = load_causal_lm(
+                self.model_name,
+                random_init=self.random_init,
+                dtype=self.dtype_name,
+                trust_remote_code=self.trust_remote_code,
+                attn_implementation=self.attn_implementation,
+            )
+            if self.gradient_checkpointing:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.torch_compile and not self._compiled:
+            self.model.compile(dynamic=True)  # in place: parameter names, exports and checkpoints unchanged
+            self._compiled = True
 
     # ---- checkpoints must match the model they are loaded into ------------------------------------
     ARCHITECTURE_KEYS = (
