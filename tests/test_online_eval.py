@@ -17,7 +17,7 @@ import yaml
 from lit_rl.eval.plan import DoneLog, EvalPlan
 from helpers import REPO
 from online_eval_helpers import evaluator_processes
-from wandb_records import history, run_id
+from wandb_records import history, records, run_id
 
 EXAMPLE = REPO / "examples" / "reverse_text" / "sft_online_eval.yaml"
 
@@ -229,6 +229,18 @@ def test_evaluator_writes_into_the_trainers_wandb_run(tmp_path, reverse_data, vl
     evals = [(r["eval/policy_version"], r["trainer/global_step"], r["eval/reverse_text/policy_version"]) for r in evaluator]
     assert evals == [(0, 0, 0), (2, 2, 2), (4, 4, 4)]  # base model, interval, final step
     assert all(0 <= r["eval/reverse_text/reward"] <= 1 for r in evaluator)
+    for f in files:  # both writers finished their part cleanly (the trainer last: it waits for the evaluator)
+        assert any(r.WhichOneof("record_type") == "exit" for r in records(f)), f
+
+
+def test_evals_go_on_without_wandb_when_joining_the_run_fails(tmp_path, caplog):
+    from lit_rl.eval.logging import EvalLogger, read_eval_metrics
+
+    logger = EvalLogger(tmp_path, {"id": "not/a/run/id", "project": "p", "mode": "offline", "dir": str(tmp_path)})
+    logger.log(3, {"eval/x/reward": 0.5})
+    logger.close()
+    assert "could not join the trainer's W&B run not/a/run/id" in caplog.text
+    assert read_eval_metrics(tmp_path) == [{"step": 3, "name": "eval/x/reward", "value": 0.5}]
 
 
 def test_online_wandb_run_is_made_shared_with_the_trainer_primary():

@@ -11,10 +11,12 @@ with the trainer's run id) and logs `eval/*` against `eval/policy_version`.
 from __future__ import annotations
 
 import csv
+import logging
 import time
 from pathlib import Path
 
 FIELDS = ["step", "name", "value", "time"]
+log = logging.getLogger(__name__)
 
 
 class EvalLogger:
@@ -25,7 +27,11 @@ class EvalLogger:
         if wandb_run:
             from lit_rl.eval.wandb_shared import join_as_evaluator
 
-            self._wandb = join_as_evaluator(wandb_run)
+            try:
+                self._wandb = join_as_evaluator(wandb_run)
+            except Exception as e:  # noqa: BLE001 - evals still count without W&B
+                log.error("evaluator: could not join the trainer's W&B run %s (%s: %s); eval metrics go to %s only",
+                          wandb_run.get("id"), type(e).__name__, e, self.path)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         new = not self.path.exists()
