@@ -87,7 +87,7 @@ class Contender:
     num_workers: int
     trl_micro_batch: int
     trl_own_defaults: int = 0  # 1: keep SFTConfig's bf16=True and gradient_checkpointing=True (slow on CPU)
-    compile: int = 0  # 1: torch.compile the model (lit: SFT(compile=True); TRL: torch_compile=True)
+    compile: int = 0  # 1: torch.compile the model (lit: SFT(torch_compile=True); TRL: torch_compile=True)
 
     @property
     def batches_key(self) -> tuple:

@@ -175,10 +175,8 @@ class OnlineEval(L.Callback):
             cmd += ["--server", json.dumps(self.server)]
         env = dict(os.environ)
         env.pop("WANDB_SERVICE", None)  # the trainer's W&B service refuses a second writer of its run id
-        pin = None
         if self.cpus:
             env.update(pinned_environment(self.cpus))
-            pin = self.cpus
         if self.api_key:
             env["LIT_RL_EVAL_API_KEY"] = self.api_key
             cmd += ["--api-key-env", "LIT_RL_EVAL_API_KEY"]
@@ -186,7 +184,7 @@ class OnlineEval(L.Callback):
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log_file:
             self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, preexec_fn=lambda: _prepare_child(pin))
+                                         start_new_session=True, preexec_fn=lambda: _prepare_child(self.cpus))
         rank_zero_info(f"OnlineEval: evaluator started (pid {self.proc.pid}), log: {log_path}")
 
     # ---- during and after training ---------------------------------------------------------------------
