@@ -35,13 +35,14 @@ def test_plan_due_steps():
 def test_evaluator_can_be_pinned_to_cores_training_leaves_free():
     """OnlineEval(cpus=...): the evaluator process (and the vLLM CPU server it starts, through
     VLLM_CPU_OMP_THREADS_BIND) keeps to the given cores; a core the machine lacks is refused."""
-    from lit_rl.callbacks.online_eval import _prepare_child, check_cpus, pinned_environment
+    from lit_rl.callbacks.online_eval import check_cpus, pinned_environment
+    from lit_rl.child_process import dies_with_parent
 
     core = max(os.sched_getaffinity(0))
     cpus = check_cpus([core])
     probe = "import os; print(sorted(os.sched_getaffinity(0)), os.environ['VLLM_CPU_OMP_THREADS_BIND'])"
-    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **pinned_environment(cpus)},
-                         preexec_fn=lambda: _prepare_child(cpus), capture_output=True, text=True, check=True)
+    out = subprocess.run(dies_with_parent([sys.executable, "-c", probe], cpus), env={**os.environ, **pinned_environment(cpus)},
+                         capture_output=True, text=True, check=True)
     assert out.stdout.split() == [f"[{core}]", str(core)]
     with pytest.raises(ValueError, match="OnlineEval.cpus"):
         check_cpus([core + 1000])

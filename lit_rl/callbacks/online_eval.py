@@ -20,7 +20,6 @@ it stops the evaluator and its server.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
@@ -34,19 +33,11 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_rl.callbacks.export import HFExport
+from lit_rl.child_process import dies_with_parent
 from lit_rl.eval.plan import DoneLog, EvalPlan, clear_final_step, evals_dir, write_final_step
 from lit_rl.eval.wandb_shared import describe_run, make_trainer_primary
 from lit_rl.rollouts.envs import Environment
-from lit_rl.run_dir import in_use, step_of
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the trainer dies, even by SIGKILL (Linux)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
+from lit_rl.run_dir import step_of
 
 def check_cpus(cpus: list[int] | None) -> list[int] | None:
     if cpus is None:
@@ -60,13 +51,6 @@ def check_cpus(cpus: list[int] | None) -> list[int] | None:
 def pinned_environment(cpus: list[int]) -> dict[str, str]:
     """Threads of the evaluator's torch and of vLLM's CPU engine stay on the given cores."""
     return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), "OMP_NUM_THREADS": str(len(cpus))}
-
-
-def _prepare_child(cpus: list[int] | None) -> None:
-    """In the evaluator before exec: die with the trainer, and keep to its cores."""
-    _die_with_parent()
-    if cpus:
-        os.sched_setaffinity(0, cpus)
 
 
 class OnlineEval(L.Callback):
@@ -183,8 +167,8 @@ class OnlineEval(L.Callback):
         log_path = evals_dir(root) / "evaluator.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log_file:
-            self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, preexec_fn=lambda: _prepare_child(self.cpus))
+            self.proc = subprocess.Popen(dies_with_parent(cmd, self.cpus), stdout=log_file, stderr=subprocess.STDOUT,
+                                         env=env, start_new_session=True)
         rank_zero_info(f"OnlineEval: evaluator started (pid {self.proc.pid}), log: {log_path}")
 
     # ---- during and after training ---------------------------------------------------------------------

@@ -15,10 +15,10 @@ No orphans: the server runs in a new session (its own process group, so a termin
 does not reach it and `stop()` can kill vLLM's engine and worker processes with it). It is
 stopped (SIGTERM to the group, SIGKILL after a grace period) on `stop()`, on leaving the `with`
 block for any reason, at interpreter exit, on SIGTERM to this process, and when this process
-dies without running any of that (SIGKILL): Linux's PR_SET_PDEATHSIG, set by a two-line
-launcher before it execs vLLM (no `preexec_fn`, which is unsafe in threaded programs). The
-death signal follows the *thread* that started the server: start it from the main thread or
-a thread that lives as long as the server.
+dies without running any of that (SIGKILL): Linux's PR_SET_PDEATHSIG, set by a short
+launcher before it execs vLLM (`lit_rl.child_process`). The death signal follows the
+*thread* that started the server: start it from the main thread or a thread that lives as
+long as the server.
 """
 
 from __future__ import annotations
@@ -41,16 +41,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-log = logging.getLogger(__name__)
+from lit_rl.child_process import dies_with_parent
 
-# Runs before vLLM in the server's process: ask Linux to SIGTERM it when the parent thread dies,
-# give up if the parent is already gone, then become vLLM (the death signal survives exec).
-_LAUNCHER = (
-    "import ctypes,os,signal,sys\n"
-    "if sys.platform.startswith('linux'): ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)\n"
-    "os.getppid() == int(sys.argv[1]) or sys.exit(70)\n"
-    "os.execv(sys.argv[2], sys.argv[2:])"
-)
+log = logging.getLogger(__name__)
 
 
 class ServerStartError(RuntimeError):
@@ -308,7 +301,7 @@ class VLLMServer:
         t0 = time.monotonic()
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _LAUNCHER, str(os.getpid()), *self.command()],
+                dies_with_parent(self.command()),
                 stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                 env=self.environment(), start_new_session=True,
             )

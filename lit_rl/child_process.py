@@ -1,0 +1,29 @@
+"""Starting a child process that dies with its parent, optionally kept to some CPU cores.
+
+Used for the vLLM server and the evaluator. The child is started through a short Python
+launcher that, inside the child and before it execs the real command, asks Linux to
+SIGTERM it when the parent dies (PR_SET_PDEATHSIG, which survives exec; it follows the
+parent *thread*, so start children from a thread that lives as long as they do), gives up
+if the parent is already gone, and pins itself to the given cores (what it execs and
+every process that starts inherit them). No `preexec_fn`: it is unsafe in threaded
+programs such as a trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+_LAUNCHER = (
+    "import ctypes,os,signal,sys\n"
+    "if sys.platform.startswith('linux'): ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)\n"
+    "os.getppid() == int(sys.argv[1]) or sys.exit(70)\n"
+    "if sys.argv[2]: os.sched_setaffinity(0, [int(c) for c in sys.argv[2].split(',')])\n"
+    "os.execv(sys.argv[3], sys.argv[3:])"
+)
+
+
+def dies_with_parent(command: Sequence[str], cpus: Sequence[int] | None = None) -> list[str]:
+    """The argv that runs `command` (an absolute executable first) through the launcher."""
+    return [sys.executable, "-c", _LAUNCHER, str(os.getpid()), ",".join(map(str, cpus or ())), *command]
