@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from pathlib import Path
 
 import lightning as L
 
-from lit_rl.eval.plan import read_final_step
+from lit_rl.eval.plan import DoneLog, read_final_step
 from lit_rl.rollouts.envs import EvalRun, ReverseTextEnv
 from lit_rl.run_dir import STABLE
 
@@ -40,6 +41,24 @@ class CrashAtStep(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step >= self.step:
             raise RuntimeError(f"deliberate crash at step {trainer.global_step}")
+
+
+class WaitForEval(L.Callback):
+    """Holds training at `wait_at` until the evaluator has handled `step`, so a test that wants
+    every due step evaluated is not at the mercy of a loaded machine: an evaluator that falls
+    behind rightly skips to the newest due step."""
+
+    def __init__(self, step: int, wait_at: int, env: str = "reverse_text", timeout: float = 300):
+        self.step, self.wait_at, self.env, self.timeout = step, wait_at, env, timeout
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step != self.wait_at:
+            return
+        deadline = time.monotonic() + self.timeout
+        while not DoneLog(trainer.default_root_dir).handled(self.step, self.env):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the evaluator did not handle step {self.step} within {self.timeout} s")
+            time.sleep(0.2)
 
 
 def evaluator_processes(root: Path) -> list[int]:

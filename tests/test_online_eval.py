@@ -130,7 +130,9 @@ def test_sft_with_online_evals_learns_and_logs_every_due_step(tmp_path, reverse_
         {"class_path": "examples.reverse_text.held_out_loss.HeldOutLoss",
          "init_args": {"path": str(reverse_data / "test.jsonl"), "num_examples": 20}},
     ]
-    config = write_config(tmp_path, reverse_data, steps=100, interval=50, envs=envs, base_url=vllm_server.base_url)
+    pace = {"class_path": "online_eval_helpers.WaitForEval", "init_args": {"step": 50, "wait_at": 99}}
+    config = write_config(tmp_path, reverse_data, steps=100, interval=50, envs=envs, base_url=vllm_server.base_url,
+                          extra_callbacks=[pace])
     fit_on_shared_server(config, vllm_server)
     root = tmp_path / "run"
     metrics = eval_metrics(root)
@@ -215,7 +217,9 @@ def test_evaluator_writes_into_the_trainers_wandb_run(tmp_path, reverse_data, vl
     trainer's run id, beside the trainer's files, with eval metrics against the policy version."""
     envs = [{"class_path": "lit_rl.rollouts.ReverseTextEnv",
              "init_args": {"path": str(reverse_data / "test.jsonl"), "num_examples": 5}}]
-    path = write_config(tmp_path, reverse_data, steps=4, interval=2, envs=envs, base_url=vllm_server.base_url)
+    pace = {"class_path": "online_eval_helpers.WaitForEval", "init_args": {"step": 2, "wait_at": 3}}
+    path = write_config(tmp_path, reverse_data, steps=4, interval=2, envs=envs, base_url=vllm_server.base_url,
+                        extra_callbacks=[pace])
     config = yaml.safe_load(path.read_text())
     config["trainer"]["log_every_n_steps"] = 1
     config["trainer"]["logger"] = {"class_path": "lightning.pytorch.loggers.WandbLogger",
