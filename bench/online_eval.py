@@ -27,6 +27,8 @@ from pathlib import Path
 
 import yaml
 
+from lit_rl.child_process import dies_with_parent
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "reverse_text" / "sft_online_eval.yaml"
 
@@ -66,8 +68,9 @@ def run(tmp: Path, data: Path, steps: int, interval: int, evals: bool, tag: str,
     config["data"]["init_args"]["path"] = str(data / "train.jsonl")
     path = tmp / f"{tag}.yaml"
     path.write_text(yaml.safe_dump(config))
-    out = subprocess.run([sys.executable, "-m", "lit_rl.cli", "fit", "--config", str(path)], cwd=REPO, env=env,
-                         capture_output=True, text=True, preexec_fn=(lambda: os.sched_setaffinity(0, pin[0])) if pin else None)
+    command = [sys.executable, "-m", "lit_rl.cli", "fit", "--config", str(path)]
+    out = subprocess.run(dies_with_parent(command, pin[0] if pin else None), cwd=REPO, env=env, capture_output=True,
+                         text=True)  # pinned by the launcher that also starts the evaluator and vLLM
     if out.returncode != 0:
         raise SystemExit(f"{tag} failed:\n{out.stderr[-3000:]}")
     return steps_per_second(timer)
