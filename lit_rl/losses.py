@@ -20,6 +20,13 @@ def shifted_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> tor
     return F.pad(taken, (1, 0))  # [B, T]
 
 
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the distribution each token was predicted from, aligned like
+    `shifted_token_logprobs` (position t gets the entropy of logits[t-1]; position 0 gets 0)."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # [B, T-1, V]
+    return F.pad(-(logp.exp() * logp).sum(-1), (1, 0))  # [B, T]
+
+
 def masked_cross_entropy_sum(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Sum of next-token cross-entropy over the target tokens (loss_mask True).
 

@@ -62,6 +62,10 @@ def test_loss_is_mean_over_trained_tokens_of_the_step(data_file, tokenizer):
     want, count = hand_loss(initial, tokenizer, reverse_rows(8))
     assert metrics["train/loss"].item() == pytest.approx(want, abs=1e-5)
     assert metrics["train/tokens"].item() == count
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    assert 0.1 < metrics["train/peak_memory_gb"].item() <= peak  # this process's peak RSS so far, in GB
 
 
 def test_update_is_invariant_to_micro_batch_split_and_layout(data_file):

@@ -2,25 +2,42 @@
 
 It owns what all algorithms share and nothing else: loading the HF model in
 `configure_model` (so FSDP can shard it and `__init__` stays cheap on every rank),
-the injected optimizer and schedule, and one optimizer step per `training_step`.
+the injected optimizer and schedule, one optimizer step per `training_step`, and the
+output head applied only where a token is trained.
 
 Why manual optimization: a batch from a lit-rl datamodule is one whole optimizer
 step, already split into micro-batches. Knowing every micro-batch up front lets the
 loss be divided by the trained tokens of the whole step (summed over ranks), so the
 loss and gradient do not depend on the micro-batch split, the gradient-accumulation
 count or the number of ranks. Subclasses implement `micro_batch_loss_sum` only.
+
+Why the head is not the model's own: with a real vocabulary (Qwen3: 151,936 rows) the
+logits of every position are the largest tensor of the step, yet losses need them only
+where the next token is trained. `target_cross_entropy_sum` and `target_logprobs` run
+the decoder body, pick the hidden states of trained positions and apply the head to
+them in chunks (`lit_rl.chunked_head`), so nothing of shape `[all positions, vocab]` is
+built. A model whose forward does more to its logits than the head (soft-capping,
+scaling) is detected on the first micro-batch and keeps the full-logits path.
 """
 
 from __future__ import annotations
 
+import resource
+import sys
 import time
 from contextlib import nullcontext
+
+import logging
 
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
+from lit_rl.chunked_head import DEFAULT_CHUNK_SIZE, selected_cross_entropy_sum, selected_token_logprobs
+from lit_rl.losses import masked_cross_entropy_sum, shifted_token_logprobs, token_entropy
 from lit_rl.modules.model_loading import load_causal_lm
+
+log = logging.getLogger(__name__)
 
 
 class CausalLMModule(L.LightningModule):
@@ -37,6 +54,7 @@ class CausalLMModule(L.LightningModule):
         lr_scheduler: LRSchedulerCallable | None = None,
         max_grad_norm: float | None = 1.0,
         torch_compile: bool = False,
+        head_chunk_size: int = DEFAULT_CHUNK_SIZE,
     ):
         """
         Args:
@@ -55,7 +73,12 @@ class CausalLMModule(L.LightningModule):
             torch_compile: compile the model's forward with ``torch.compile`` (dynamic shapes).
                 About 1.2x faster steps for small models on CPU (docs/benchmarks.md), after a
                 first step that pays the compilation (tens of seconds on a few cores).
+            head_chunk_size: trained positions whose logits are computed at once. The loss's
+                memory is ``head_chunk_size x vocabulary`` floats (1024 x 151,936 x 4 bytes =
+                0.6 GB for Qwen3), whatever the number of trained tokens.
         """
+        if head_chunk_size < 1:
+            raise ValueError(f"model.head_chunk_size must be >= 1, got {head_chunk_size}")
         super().__init__()
         self.model_name = model
         self.random_init = random_init
@@ -68,6 +91,8 @@ class CausalLMModule(L.LightningModule):
         self.scheduler_factory = lr_scheduler
         self.max_grad_norm = max_grad_norm
         self.torch_compile = torch_compile
+        self.head_chunk_size = head_chunk_size
+        self._head_is_plain: bool | None = None  # does the model's forward apply its head and nothing else?
         self.model = None  # built in configure_model
         self.automatic_optimization = False
         self._last_step_end: float | None = None
@@ -89,7 +114,9 @@ class CausalLMModule(L.LightningModule):
             if self.gradient_checkpointing:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.torch_compile and not self._compiled:
-            self.model.compile(dynamic=True)  # in place: parameter names, exports and checkpoints unchanged
+            # The body, which training calls directly (the head runs outside, on trained positions).
+            # In place: parameter names, exports and checkpoints unchanged.
+            self.model.base_model.compile(dynamic=True)
             self._compiled = True
 
     # ---- checkpoints must match the model they are loaded into ------------------------------------
@@ -118,10 +145,69 @@ class CausalLMModule(L.LightningModule):
                 f"checkpoint is of another model ({saved['model']}) than this run's ({self.model_name}): {lines}"
             )
 
+    # ---- the model's outputs at trained positions only ---------------------------------------
     def logits(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Full logits [B, T, V] from the model's own forward: for inspection and models whose
+        forward transforms its logits; training uses the head at trained positions instead."""
         # use_cache=False: only then does transformers read packed documents from position_ids.
         out = self.model(input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"], use_cache=False)
         return out.logits
+
+    def _hidden_states(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The decoder body's final (normed) hidden states [B, T, H]."""
+        body = self.model.base_model
+        return body(input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"], use_cache=False).last_hidden_state
+
+    def _uses_plain_head(self, micro_batch: dict[str, torch.Tensor]) -> bool:
+        """Whether the model's logits are exactly its output head applied to the body's hidden
+        states, checked once on a few tokens (soft-capping or logit scaling would differ)."""
+        if self._head_is_plain is None:
+            probe = {k: micro_batch[k][:1, :8] for k in ("input_ids", "position_ids")}
+            with torch.no_grad():
+                head = self.model.get_output_embeddings()
+                ours = head(self._hidden_states(probe)).float()
+                theirs = self.logits(probe).float()
+            self._head_is_plain = ours.shape == theirs.shape and torch.allclose(ours, theirs, rtol=1e-3, atol=1e-3)
+            if not self._head_is_plain:
+                log.warning(
+                    "%s transforms its logits beyond the output head (e.g. soft-capping); lit-rl computes the "
+                    "full logits for it (more memory and time with a large vocabulary)", type(self.model).__name__
+                )
+        return self._head_is_plain
+
+    def _trained_positions(self, micro_batch: dict[str, torch.Tensor]):
+        """Hidden states [N, H] at the positions whose next token is trained, and those tokens [N]."""
+        targets = micro_batch["loss_mask"][:, 1:]  # [B, T-1]
+        hidden = self._hidden_states(micro_batch)[:, :-1][targets]  # [N, H]
+        head = self.model.get_output_embeddings()
+        return hidden, micro_batch["input_ids"][:, 1:][targets], head.weight, head.bias
+
+    def target_cross_entropy_sum(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Sum of next-token cross-entropy over the trained tokens (loss_mask True), float32 []."""
+        if not self._uses_plain_head(micro_batch):
+            return masked_cross_entropy_sum(self.logits(micro_batch), micro_batch["input_ids"], micro_batch["loss_mask"])
+        hidden, targets, weight, bias = self._trained_positions(micro_batch)
+        return selected_cross_entropy_sum(hidden, weight, targets, bias=bias, chunk_size=self.head_chunk_size)
+
+    def target_logprobs(
+        self, micro_batch: dict[str, torch.Tensor], *, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probability [B, T] of each trained token given the ones before it (0 where
+        loss_mask is False, aligned with `input_ids` like inference logprobs), and optionally
+        the entropy [B, T] of the distribution it was predicted from. float32, differentiable."""
+        mask = micro_batch["loss_mask"].clone()  # [B, T]
+        mask[:, 0] = False  # a row's first token is predicted from nothing
+        if not self._uses_plain_head(micro_batch):
+            logits = self.logits(micro_batch)  # [B, T, V]
+            logprobs = shifted_token_logprobs(logits, micro_batch["input_ids"]) * mask  # [B, T]
+            entropy = token_entropy(logits) * mask if with_entropy else None  # [B, T]
+            return logprobs, entropy
+        hidden, targets, weight, bias = self._trained_positions(micro_batch)
+        lp, ent = selected_token_logprobs(
+            hidden, weight, targets, bias=bias, chunk_size=self.head_chunk_size, with_entropy=with_entropy
+        )  # [N], [N]
+        scatter = lambda v: torch.zeros(mask.shape, dtype=v.dtype, device=v.device).masked_scatter(mask, v)  # noqa: E731
+        return scatter(lp), None if ent is None else scatter(ent)
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(self.parameters())
@@ -184,6 +270,7 @@ class CausalLMModule(L.LightningModule):
             "train/tokens_per_s": step_targets / max(self._last_step_end - start, 1e-9),
             "train/lr": lr,
             "train/grad_norm": grad_norm,
+            "train/peak_memory_gb": peak_memory_gb(self.device),
         }
         metrics.update({f"train/{k}": v for k, v in batch.get("stats", {}).items()})
         self.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, batch_size=1)
@@ -201,3 +288,12 @@ class CausalLMModule(L.LightningModule):
         self._val_sums.clear()
         sums = self._sum_over_ranks(sums.to(self.device))
         self.log("val/loss", sums[0] / sums[1].clamp(min=1.0), batch_size=1)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory so far, in GB (1e9 bytes): the CUDA allocator's maximum on a GPU, this
+    process's peak resident set on CPU (what the OS had to give it, libraries included)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 1e9 if sys.platform == "darwin" else peak * 1024 / 1e9  # bytes on macOS, KiB on Linux

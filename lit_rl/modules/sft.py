@@ -3,16 +3,16 @@
 The per-token loss is summed here and divided by the trained tokens of the whole
 optimizer step in `CausalLMModule.training_step`: every trained token weighs the
 same, whatever row, micro-batch or rank it lands in (unlike a mean per sequence).
+The output head runs only at trained positions, in chunks (`CausalLMModule`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from lit_rl.losses import masked_cross_entropy_sum
 from lit_rl.modules.base import CausalLMModule
 
 
 class SFT(CausalLMModule):
     def micro_batch_loss_sum(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return masked_cross_entropy_sum(self.logits(micro_batch), micro_batch["input_ids"], micro_batch["loss_mask"])
+        return self.target_cross_entropy_sum(micro_batch)

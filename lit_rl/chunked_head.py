@@ -1,0 +1,184 @@
+"""The output head applied only where a token is trained, a chunk of positions at a time.
+
+A real vocabulary makes the head the largest tensor of a training step: Qwen3 has
+151,936 rows, so full logits of 8 rows of 1,024 tokens are 5 GB in float32, and
+their log-softmax, gradient and any entropy each as much again. Losses need the
+head only at positions whose next token is trained. These pure functions take the
+decoder's hidden states at those positions, `[N, H]`, and the head weight, `[V, H]`
+(tied to the embedding or not), and never build more than `[chunk_size, V]` of logits
+at once.
+
+- `selected_token_logprobs`: per-token log-probabilities (and optionally entropies)
+  of given tokens, for the RL losses. Logits are recomputed chunk by chunk in backward
+  instead of kept: the price is one more head matmul, the gain is memory that does
+  not grow with the number of trained tokens.
+- `selected_cross_entropy_sum`: the SFT loss. Its gradient with respect to a chunk's
+  logits (`softmax - onehot`) does not depend on anything downstream but one scalar,
+  so it is computed in the forward pass while the chunk's logits are at hand and
+  scaled in backward: no recomputation, three head matmuls like the unchunked loss.
+
+Both compute logits in the weight's dtype (as the model's own head does) and the
+softmax in float32, like `log_softmax(logits.float())` on full logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_CHUNK_SIZE = 1024
+
+
+def _check(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int) -> None:
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden must be [N, H] and weight [V, H]; got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets must be [N] = [{hidden.shape[0]}]; got {tuple(targets.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    logits = h @ weight.T if bias is None else torch.addmm(bias, h, weight.T)  # [C, V] in the weight's dtype
+    return logits.float()  # [C, V]
+
+
+def _grad_buffer(t: torch.Tensor | None, needed: bool) -> torch.Tensor | None:
+    """Float32 accumulator for a parameter's gradient (bfloat16 sums over chunks lose precision)."""
+    return torch.zeros(t.shape, dtype=torch.float32, device=t.device) if needed and t is not None else None
+
+
+def _accumulate(buffer: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """buffer += a @ b, the product in the inputs' dtype (as autograd on full logits would do)."""
+    if buffer.dtype == a.dtype:
+        buffer.addmm_(a, b)
+    else:
+        buffer.add_(a @ b)
+
+
+class _SelectedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, with_entropy):
+        n = hidden.shape[0]
+        logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
+        entropy = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None  # [N]
+        for a in range(0, n, chunk_size):
+            b = min(a + chunk_size, n)
+            logits = _chunk_logits(hidden[a:b], weight, bias)  # [C, V]
+            lse[a:b] = torch.logsumexp(logits, dim=-1)  # [C]
+            logprobs[a:b] = logits.gather(-1, targets[a:b, None]).squeeze(-1) - lse[a:b]  # [C]
+            if with_entropy:
+                logp = logits.sub_(lse[a:b, None])  # [C, V], in place: logits are not needed any more
+                entropy[a:b] = -(logp.exp() * logp).sum(-1)  # [C]
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.chunk_size = chunk_size
+        ctx.mark_non_differentiable(targets)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_h else None  # [N, H]
+        grad_weight, grad_bias = _grad_buffer(weight, need_w), _grad_buffer(bias, need_b)  # [V, H], [V]
+        for a in range(0, hidden.shape[0], ctx.chunk_size):
+            b = min(a + ctx.chunk_size, hidden.shape[0])
+            h = hidden[a:b]  # [C, H]
+            logp = _chunk_logits(h, weight, bias).sub_(lse[a:b, None])  # [C, V]
+            p = logp.exp()  # [C, V]
+            # d logp(target) / d logits = onehot(target) - p
+            grad_logits = torch.zeros_like(p)  # [C, V]
+            if grad_logprobs is not None:
+                g = grad_logprobs[a:b, None]  # [C, 1]
+                grad_logits.addcmul_(p, g, value=-1.0)
+                grad_logits.scatter_add_(-1, targets[a:b, None], g)
+            # d entropy / d logits = -p * (logp + entropy)
+            if grad_entropy is not None and entropy is not None:
+                logp.add_(entropy[a:b, None]).mul_(p)  # [C, V]: p * (logp + H)
+                grad_logits.addcmul_(logp, grad_entropy[a:b, None], value=-1.0)
+            grad_logits = grad_logits.to(weight.dtype)  # [C, V]
+            if need_h:
+                grad_hidden[a:b] = grad_logits @ weight  # [C, H]
+            if need_w:
+                _accumulate(grad_weight, grad_logits.T, h)  # [V, H]
+            if need_b:
+                grad_bias.add_(grad_logits.sum(0, dtype=torch.float32))  # [V]
+        to = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
+        return grad_hidden, to(grad_weight, weight), to(grad_bias, bias) if bias is not None else None, None, None, None
+
+
+def selected_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probability of `targets` under `hidden @ weight.T + bias`, and optionally the entropy
+    of each position's distribution, computed `chunk_size` positions at a time.
+
+    hidden [N, H] (the decoder's final hidden states at the selected positions), weight [V, H],
+    bias [V] or None, targets [N] (token ids). Returns (logprobs [N], entropy [N] or None), both
+    float32 and differentiable. Equal to ``log_softmax(full logits.float()).gather(targets)``.
+    """
+    _check(hidden, weight, targets, chunk_size)
+    return _SelectedLogprobs.apply(hidden, weight, bias, targets, chunk_size, with_entropy)
+
+
+class _SelectedCrossEntropySum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, need_grads):
+        n = hidden.shape[0]
+        need_h, need_w, need_b = need_grads
+        grad_hidden = torch.empty_like(hidden) if need_h else None  # [N, H]
+        grad_weight, grad_bias = _grad_buffer(weight, need_w), _grad_buffer(bias, need_b)  # [V, H], [V]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)  # []
+        for a in range(0, n, chunk_size):
+            b = min(a + chunk_size, n)
+            h, t = hidden[a:b], targets[a:b, None]  # [C, H], [C, 1]
+            logits = _chunk_logits(h, weight, bias)  # [C, V]
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [C, 1]
+            total += (lse - logits.gather(-1, t)).sum()  # []
+            if any(need_grads):
+                # d CE / d logits = softmax - onehot(target), built in place of the logits
+                grad_logits = logits.sub_(lse).exp_()  # [C, V]
+                grad_logits.scatter_add_(-1, t, torch.full_like(lse, -1.0))
+                grad_logits = grad_logits.to(weight.dtype)  # [C, V]
+                if need_h:
+                    grad_hidden[a:b] = grad_logits @ weight  # [C, H]
+                if need_w:
+                    _accumulate(grad_weight, grad_logits.T, h)  # [V, H]
+                if need_b:
+                    grad_bias.add_(grad_logits.sum(0, dtype=torch.float32))  # [V]
+        ctx.grads = (grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grads = tuple(None if g is None else (g * grad_total).to(dt) for g, dt in zip(ctx.grads, ctx.dtypes))
+        ctx.grads = None
+        return (*grads, None, None, None)
+
+
+def selected_cross_entropy_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """Sum over positions of the cross-entropy of `targets` under `hidden @ weight.T + bias`.
+
+    hidden [N, H], weight [V, H], bias [V] or None, targets [N]. Returns a float32 scalar.
+    Gradients are computed chunk by chunk during this call when autograd needs them and only
+    scaled in backward, so call it once per backward (as a loss), not inside a loop that
+    discards most results.
+    """
+    _check(hidden, weight, targets, chunk_size)
+    enabled = torch.is_grad_enabled()
+    need = tuple(enabled and t is not None and t.requires_grad for t in (hidden, weight, bias))
+    return _SelectedCrossEntropySum.apply(hidden, weight, bias, targets, chunk_size, need)
