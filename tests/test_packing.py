@@ -1,10 +1,11 @@
-"""Packing: budgets, layouts, and packed logits == unpacked logits for every document."""
+"""Packing: budgets, layouts, RL fields and sequence ids, packed logits == unpacked logits, build_step."""
 
 import pytest
 import torch
 
 from lit_rl.data.packing import pack_micro_batches, padding_fraction
 from lit_rl.data.samples import Sample
+from lit_rl.data.step_builder import build_step
 
 
 def make_samples(lengths, seed=0):
@@ -93,3 +94,104 @@ def test_packed_logits_equal_unpacked_logits(tiny_model, mode):
         ids = samples[i].input_ids
         alone = tiny_model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
         torch.testing.assert_close(logits[m][r, a : a + len(ids)], alone, atol=1e-5, rtol=1e-5)
+
+
+# ---- RL fields: per-token values and sequence ids survive both layouts --------------------------
+RL_FIELDS = ("logprobs", "advantages", "teacher_logprobs")
+
+
+def make_rl_samples(lengths, seed=0):
+    """Samples with every per-token field set to distinct random values."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in make_samples(lengths, seed=seed):
+        n = len(s)
+        values = {name: torch.randn(n, generator=g).tolist() for name in RL_FIELDS}
+        out.append(Sample(input_ids=s.input_ids, loss_mask=s.loss_mask, policy_version=3, reward=1.0, source="rollout", **values))
+    return out
+
+
+RL_LENGTHS = [9, 31, 4, 17, 17, 2, 25, 12, 6, 20]
+
+
+@pytest.mark.parametrize("mode", ["padded", "packed"])
+def test_rl_fields_read_back_exactly_by_sequence_id(mode):
+    samples = make_rl_samples(RL_LENGTHS, seed=2)
+    mbs = pack_micro_batches(samples, micro_batch_tokens=80, mode=mode, pack_length=40)
+    assert len(mbs) > 1 and any((mb["sequence_ids"] == -1).any() for mb in mbs)  # several micro-batches, some padding
+    if mode == "packed":  # the case that matters: several sequences share a row
+        assert any(len(set(row.tolist()) - {-1}) > 1 for mb in mbs for row in mb["sequence_ids"])
+    seen = []
+    for mb in mbs:
+        seq = mb["sequence_ids"]
+        assert seq.dtype == torch.long
+        for name in RL_FIELDS:
+            assert mb[name].dtype == torch.float32 and mb[name].shape == seq.shape
+        pad = seq == -1
+        assert not mb["loss_mask"][pad].any() and (mb["input_ids"][pad] == 0).all()
+        assert all((mb[name][pad] == 0).all() for name in RL_FIELDS)
+        for i in seq.unique().tolist():
+            if i == -1:
+                continue
+            seen.append(i)
+            at = seq == i
+            assert len(set(torch.nonzero(at)[:, 0].tolist())) == 1  # a sequence lives in one row of one micro-batch
+            assert mb["input_ids"][at].tolist() == samples[i].input_ids
+            for name in RL_FIELDS:
+                assert mb[name][at].tolist() == torch.tensor(getattr(samples[i], name), dtype=torch.float32).tolist()
+    assert sorted(seen) == list(range(len(samples)))  # every index once across all micro-batches of the call
+
+
+def per_sequence_sums(mbs, n):
+    """Per sequence: sum over targets of advantages * (logprobs - teacher_logprobs), the shape of an RL loss."""
+    sums = torch.zeros(n)
+    for mb in mbs:
+        keep = mb["loss_mask"] & (mb["sequence_ids"] >= 0)
+        values = mb["advantages"] * (mb["logprobs"] - mb["teacher_logprobs"])
+        sums.index_add_(0, mb["sequence_ids"][keep], values[keep])
+    return sums
+
+
+def test_per_sequence_sums_packed_equal_padded():
+    samples = make_rl_samples(RL_LENGTHS, seed=3)
+    packed = pack_micro_batches(samples, micro_batch_tokens=80, mode="packed", pack_length=40)
+    padded = pack_micro_batches(samples, micro_batch_tokens=80, mode="padded")
+    expected = torch.tensor(
+        [sum(a * (lp - t) for a, lp, t, m in list(zip(s.advantages, s.logprobs, s.teacher_logprobs, s.loss_mask))[1:] if m) for s in samples]
+    )
+    torch.testing.assert_close(per_sequence_sums(packed, len(samples)), per_sequence_sums(padded, len(samples)))
+    torch.testing.assert_close(per_sequence_sums(packed, len(samples)), expected)
+
+
+@pytest.mark.parametrize("mode", ["padded", "packed"])
+def test_rl_keys_only_when_some_sample_has_them(mode):
+    static = make_samples([12, 12, 12, 12])
+    for mb in pack_micro_batches(static, micro_batch_tokens=24, mode=mode):
+        assert set(mb) == {"input_ids", "position_ids", "loss_mask", "sequence_ids"}  # SFT steps carry no RL tensors
+    (rl,) = make_rl_samples([12], seed=4)
+    rl.teacher_logprobs = None
+    mixed = [*static[:3], rl]
+    mbs = pack_micro_batches(mixed, micro_batch_tokens=24, mode=mode)
+    assert len(mbs) == 2
+    for mb in mbs:  # present in every micro-batch of the call, zeros for the samples lacking them
+        assert set(mb) == {"input_ids", "position_ids", "loss_mask", "sequence_ids", "logprobs", "advantages"}
+        for name in ("logprobs", "advantages"):
+            assert (mb[name][mb["sequence_ids"] != 3] == 0).all()
+    got = torch.cat([mb["logprobs"][mb["sequence_ids"] == 3] for mb in mbs])
+    assert got.tolist() == torch.tensor(rl.logprobs).tolist()
+
+
+@pytest.mark.parametrize("packing", ["padded", "packed"])
+def test_build_step_stats_and_micro_batches(packing):
+    samples = make_samples([10, 4, 7])
+    samples[1].truncated = True
+    step = build_step(samples, micro_batch_tokens=64, packing=packing, pack_length=32)
+    mbs = pack_micro_batches(samples, micro_batch_tokens=64, mode=packing, pack_length=32)
+    assert len(step["micro_batches"]) == len(mbs) == 1
+    assert all(torch.equal(step["micro_batches"][0][k], v) for k, v in mbs[0].items())
+    slots = {"padded": 3 * 10, "packed": 21}[packing]
+    assert step["stats"] == {"rows": 3.0, "micro_batches": 1.0, "truncated_rows": 1.0, "padding_fraction": pytest.approx(1 - 21 / slots)}
+    assert build_step([], micro_batch_tokens=64, packing=packing) == {
+        "micro_batches": [],
+        "stats": {"rows": 0.0, "micro_batches": 0.0, "truncated_rows": 0.0, "padding_fraction": 0.0},
+    }

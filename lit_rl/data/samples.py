@@ -1,30 +1,43 @@
 """Sample and SampleGroup: the one training-sequence format shared by every data source.
 
 A Sample is a whole sequence (prompt + completion) with a per-token `loss_mask`. RL
-fields stay None for SFT. See the Sample contract in DESIGN.md.
+data rides along as per-token fields of the same length (`logprobs`, `advantages`,
+`teacher_logprobs`), checked at construction so that a length bug surfaces where the
+sample is made, not as a shape error deep inside a packed loss. The RL fields stay
+None for SFT rows. See the Sample and RL samples contracts in DESIGN.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+
+PER_TOKEN_FIELDS = ("logprobs", "advantages", "teacher_logprobs")  # float, len(input_ids) each; packing carries them
 
 
 @dataclass
 class Sample:
     input_ids: list[int]
     loss_mask: list[bool]  # loss_mask[i]: token i is a trained target (predicted from token i-1)
-    logprobs: list[float] | None = None  # inference logprobs of completion tokens, 0 elsewhere
-    advantage: float | None = None
+    logprobs: list[float] | None = None  # sampling logprobs the server returned for completion tokens, 0 elsewhere
+    advantages: list[float] | None = None  # per token; GRPO repeats the sequence's advantage, OPD sets each
+    teacher_logprobs: list[float] | None = None  # the teacher's logprob of each token (OPD)
+    policy_version: int | None = None  # weights version that started the rollout (stamped by the buffer)
     reward: float | None = None
-    policy_version: int | None = None
-    teacher_logprobs: list[float] | None = None
+    source: str = "static"  # the data source that made it: "static", "rollout", "teacher", ...
     truncated: bool = False  # cut to max_length by the data source
+    finish_reason: str | None = None  # the server's finish reason for a rollout completion; "length": hit max_tokens
+    metadata: dict = field(default_factory=dict)  # free-form, kept in traces
 
     def __post_init__(self) -> None:
-        if len(self.input_ids) != len(self.loss_mask):
-            raise ValueError(
-                f"Sample: input_ids has {len(self.input_ids)} tokens but loss_mask has {len(self.loss_mask)}"
-            )
+        n = len(self.input_ids)
+        problems = [f"loss_mask has {len(self.loss_mask)}"] if len(self.loss_mask) != n else []
+        for name in PER_TOKEN_FIELDS:
+            values = getattr(self, name)
+            if values is not None and len(values) != n:
+                problems.append(f"{name} has {len(values)}")
+        if problems:
+            raise ValueError(f"Sample: input_ids has {n} tokens but {', '.join(problems)}; per-token fields need one value per token")
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -32,6 +45,16 @@ class Sample:
     @property
     def num_targets(self) -> int:
         return sum(self.loss_mask)
+
+    @property
+    def has_sampling_logprobs(self) -> bool:
+        """False for static rows: no server sampled them, so there is no behaviour policy to correct for."""
+        return self.logprobs is not None
+
+    def with_advantage(self, advantage: float) -> Sample:
+        """A copy whose `advantages` hold one sequence-level value (GRPO) on the loss_mask tokens, 0 elsewhere."""
+        advantages = [float(advantage) if m else 0.0 for m in self.loss_mask]
+        return dataclasses.replace(self, advantages=advantages, metadata=dict(self.metadata))
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """StepDataset: renders the rows of one optimizer step lazily and packs them.
 
 Indexed by what StepBatchSampler yields, so a DataLoader worker renders and packs a
-whole step while the trainer runs the previous one. Rows are rendered only when a
-step needs them: time to the first step does not depend on the split's size.
+whole step (with the shared `build_step`) while the trainer runs the previous one.
+Rows are rendered only when a step needs them: time to the first step does not depend
+on the split's size.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import datasets
 import torch
 from transformers import AutoTokenizer
 
-from lit_rl.data.packing import pack_micro_batches, padding_fraction
 from lit_rl.data.render import RenderError, render_messages
 from lit_rl.data.rows import RowError, chat_from_row, completion_start
 from lit_rl.data.samples import Sample
+from lit_rl.data.step_builder import build_step
 
 log = logging.getLogger(__name__)
 
@@ -91,15 +92,6 @@ class StepDataset(torch.utils.data.Dataset):
                     raise BadRowError(f"{e} (set data bad_rows: skip to skip such rows)") from e
                 skipped += 1
                 log.warning("skipping %s", e)
-        micro_batches = pack_micro_batches(
-            samples, micro_batch_tokens=self.micro_batch_tokens, mode=self.packing, pack_length=self.pack_length
-        )
-        real = sum(len(s) for s in samples)
-        stats = {
-            "rows": float(len(samples)),
-            "micro_batches": float(len(micro_batches)),
-            "skipped_rows": float(skipped),
-            "truncated_rows": float(sum(s.truncated for s in samples)),
-            "padding_fraction": padding_fraction(micro_batches, real),
-        }
-        return {"micro_batches": micro_batches, "stats": stats, "position": (epoch, step)}
+        built = build_step(samples, micro_batch_tokens=self.micro_batch_tokens, packing=self.packing, pack_length=self.pack_length)
+        stats = {**built["stats"], "skipped_rows": float(skipped)}
+        return {"micro_batches": built["micro_batches"], "stats": stats, "position": (epoch, step)}
