@@ -24,7 +24,18 @@ Contenders (``--contenders``: comma separated ``kind_layout[/key=value...]``):
   every other TRL run turns off because both slow a CPU down), compile=1 (all kinds:
   torch.compile the model with dynamic shapes: lit-rl SFT(torch_compile=True), the plain loop
   torch.compile(model, dynamic=True), TRL torch_compile=True; use --warmup 4 or more so the
-  compilation falls into the warm-up).
+  compilation falls into the warm-up), chunk=<head_chunk_size> (lit/plain: trained positions per
+  chunk of the output head), fullhead=1 (plain: the head over every position, then the loss on
+  the trained ones, as lit-rl did before the chunked head; the plain loop otherwise uses
+  lit-rl's pure function `selected_cross_entropy_sum`: the same selected-positions trick).
+
+Real vocabularies (``--vocab-size N``): the tiny model's body with an output head and embedding
+of N rows (tied, random init); token ids still come from the byte-level tokenizer, which is
+fine for timing. At 151,936 (Qwen3's vocabulary) the output head dominates the step.
+
+Memory: every run is a fresh process (spawned), so its peak resident set (ru_maxrss) is its
+own: the table gives the trainer process's peak and, for lit-rl, the largest DataLoader
+worker's peak beside it.
 TRL trains the same tokens through assistant_only_loss=True, with the tiny model's own template
 plus {% generation %} markers (checked token for token against lit-rl's masks before timing).
 
@@ -69,7 +80,7 @@ from _common import (  # noqa: E402
 
 KINDS = {"lit": ("padded", "packed"), "plain": ("padded", "packed"), "trl": ("padded", "padding_free")}
 OPTIONS = {"mbt": "micro_batch_tokens", "pack": "pack_length", "workers": "num_workers", "mb": "trl_micro_batch",
-           "trldefaults": "trl_own_defaults", "compile": "compile"}
+           "trldefaults": "trl_own_defaults", "compile": "compile", "chunk": "head_chunk_size", "fullhead": "full_head"}
 DEFAULT_CONTENDERS = ",".join([
     "lit_padded/mbt=512", "plain_padded/mbt=512", "trl_padded/mb=8",
     "lit_packed/mbt=1024/pack=256", "plain_packed/mbt=1024/pack=256", "trl_padding_free/mb=4",
@@ -88,6 +99,8 @@ class Contender:
     trl_micro_batch: int
     trl_own_defaults: int = 0  # 1: keep SFTConfig's bf16=True and gradient_checkpointing=True (slow on CPU)
     compile: int = 0  # 1: torch.compile the model (lit: SFT(torch_compile=True); TRL: torch_compile=True)
+    head_chunk_size: int = 1024  # lit/plain: trained positions per chunk of the output head
+    full_head: int = 0  # plain: 1 = head over every position (no selected-positions trick)
 
     @property
     def batches_key(self) -> tuple:
@@ -101,6 +114,7 @@ def parse_contender(spec: str, args) -> Contender:
     if kind not in KINDS or layout not in KINDS[kind]:
         raise ValueError(f"unknown contender {head!r}: use one of " + ", ".join(f"{k}_{l}" for k in KINDS for l in KINDS[k]))
     values = {field: getattr(args, field, 0) for field in OPTIONS.values()}
+    values["head_chunk_size"] = args.head_chunk_size
     for opt in opts:
         key, _, value = opt.partition("=")
         if key not in OPTIONS or not value:
@@ -108,6 +122,8 @@ def parse_contender(spec: str, args) -> Contender:
         values[OPTIONS[key]] = int(value)
     if args.batch_size % values["trl_micro_batch"]:
         raise ValueError(f"{spec}: mb must divide --batch-size")
+    if values["full_head"] and kind != "plain":
+        raise ValueError(f"{spec}: fullhead=1 is an option of the plain loop only")
     return Contender(name=spec, kind=kind, layout=layout, **values)
 
 
@@ -127,6 +143,9 @@ def parse_args(argv=None):
     p.add_argument("--min-tokens", type=int, default=24, help="shortest rendered chat")
     p.add_argument("--max-tokens", type=int, default=120, help="longest rendered chat")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="rows of the output head and embedding (default: the tiny model's 320); e.g. 151936 (Qwen3)")
+    p.add_argument("--head-chunk-size", type=int, default=1024, help="lit/plain head_chunk_size (default of chunk=)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads for every contender (default: CPU count)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet-wait", type=float, default=20.0,
@@ -236,9 +255,19 @@ def _adamw(args):
 
 
 def _model(args):
+    """The seeded random init every contender starts from; with --vocab-size, the same body with
+    an output head (tied to the embedding) of that many rows."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     from lit_rl.modules.model_loading import load_causal_lm
 
-    return load_causal_lm(TINY_MODEL, random_init=True, seed=args.seed)
+    if args.vocab_size is None:
+        return load_causal_lm(TINY_MODEL, random_init=True, seed=args.seed)
+    config = AutoConfig.from_pretrained(TINY_MODEL)
+    config.vocab_size = args.vocab_size
+    torch.manual_seed(args.seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").train()
 
 
 def _datamodule(args, data_path, c: Contender, num_workers):
@@ -271,7 +300,8 @@ def run_lit(args, data_path, c: Contender, workdir, abort_above=None) -> StepClo
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             clock.tick(*_batch_counts(batch["micro_batches"]))
 
-    module = SFT(model=TINY_MODEL, random_init=True, optimizer=_adamw(args), max_grad_norm=1.0, torch_compile=bool(c.compile))
+    module = SFT(model=TINY_MODEL, random_init=True, optimizer=_adamw(args), max_grad_norm=1.0, torch_compile=bool(c.compile),
+                 head_chunk_size=c.head_chunk_size)
     module.model = _model(args)  # the same seeded init as the other contenders; configure_model keeps it
     trainer = L.Trainer(
         accelerator="cpu",
@@ -302,21 +332,31 @@ def collect_batches(args, data_path, c: Contender) -> list[dict]:
 def run_plain(args, batches, c: Contender, abort_above=None) -> StepClock:
     import torch
 
+    from lit_rl.chunked_head import selected_cross_entropy_sum
     from lit_rl.losses import masked_cross_entropy_sum
 
     torch.set_num_threads(args.threads)
     clock = StepClock(args.warmup, args.total_steps, abort_above)
     model = _model(args)
-    forward = torch.compile(model, dynamic=True) if c.compile else model
+    compiled = lambda m: torch.compile(m, dynamic=True) if c.compile else m  # noqa: E731
+    forward, body, head = compiled(model), compiled(model.base_model), model.get_output_embeddings()
     optimizer = _adamw(args)(model.parameters())
+
+    def loss_sum_of(mb):
+        if c.full_head:  # logits of every position, the loss on the trained ones
+            logits = forward(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
+            return masked_cross_entropy_sum(logits, mb["input_ids"], mb["loss_mask"])
+        hidden = body(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).last_hidden_state
+        targets = mb["loss_mask"][:, 1:]
+        return selected_cross_entropy_sum(hidden[:, :-1][targets], head.weight, mb["input_ids"][:, 1:][targets],
+                                          chunk_size=c.head_chunk_size)
+
     for batch in batches:
         micro_batches = batch["micro_batches"]
         counts = _batch_counts(micro_batches)
         optimizer.zero_grad(set_to_none=True)
         for mb in micro_batches:
-            logits = forward(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits
-            loss_sum = masked_cross_entropy_sum(logits, mb["input_ids"], mb["loss_mask"])
-            (loss_sum / max(counts[0], 1)).backward()
+            (loss_sum_of(mb) / max(counts[0], 1)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         clock.tick(*counts)
@@ -426,6 +466,44 @@ def run_trl(args, data_path, c: Contender, workdir, abort_above=None) -> StepClo
 
 
 # ---- driver ------------------------------------------------------------------------------------
+def _one_run(args, data_path, c: Contender, workdir, abort_above) -> dict:
+    """One timed run, in the fresh process `run_in_fresh_process` made for it."""
+    import resource
+
+    _quiet()
+    try:
+        if c.kind == "lit":
+            clock = run_lit(args, data_path, c, workdir, abort_above)
+        elif c.kind == "plain":
+            clock = run_plain(args, collect_batches(args, data_path, c), c, abort_above)
+        else:
+            clock = run_trl(args, data_path, c, workdir, abort_above)
+    except Exception as e:  # Lightning and TRL may wrap what a callback raises
+        cause = e
+        while cause is not None and not isinstance(cause, Disturbed):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        return {"disturbed": str(cause)}
+    kib = 1024 / 1e9  # ru_maxrss is in KiB on Linux
+    return {
+        **clock.result(),
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib,
+        # the largest finished child's peak: lit-rl's DataLoader worker (0 when there is none)
+        "children_peak_rss_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * kib,
+    }
+
+
+def run_in_fresh_process(args, data_path, c: Contender, workdir, abort_above) -> dict:
+    """Each run in a process of its own (spawned, not forked): its peak memory is its own, and
+    nothing one contender allocated or imported stays to flatter or burden the next."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_one_run, args, data_path, c, workdir, abort_above).result()
+
+
 def _quiet():
     warnings.filterwarnings("ignore")
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
@@ -461,6 +539,9 @@ def summarize(args, runs: dict[Contender, list[dict]], elapsed: float, rows_chec
             "slots_per_trained_token": first["slots_per_step"] / first["trained_tokens_per_step"],
             "micro_batches_per_step": first["micro_batches_per_step"],
             "torch_threads": sorted({t for r in results for t in r["torch_threads"]}),
+            "peak_rss_gb_runs": [round(r["peak_rss_gb"], 3) for r in results],
+            "peak_rss_gb_median": statistics.median(r["peak_rss_gb"] for r in results),
+            "worker_peak_rss_gb_median": statistics.median(r["children_peak_rss_gb"] for r in results),
             "settings": {k: v for k, v in dataclasses.asdict(c).items() if k != "name"},
         }
     step_tokens = {tuple(r["step_tokens"]) for rs in runs.values() for r in rs if r is not None}
@@ -474,13 +555,20 @@ def summarize(args, runs: dict[Contender, list[dict]], elapsed: float, rows_chec
 
     comparisons = []
     for c in runs:  # lit-rl against the plain loop over the very same batches
-        twin = next((d for d in runs if d.kind == "plain" and c.kind == "lit" and d.batches_key == c.batches_key), None)
+        twin = next((d for d in runs if d.kind == "plain" and c.kind == "lit" and d.batches_key == c.batches_key
+                     and not d.full_head and d.head_chunk_size == c.head_chunk_size and d.compile == c.compile), None)
         if twin is not None:
             comparisons.append({"what": "lit_vs_plain_same_batches", "a": c.name, "b": twin.name, "ratio": tps[c.name] / tps[twin.name]})
     lit, trl_best = best("lit"), best("trl")
     if lit and trl_best:
         for t in [d for d in runs if d.kind == "trl"]:
             comparisons.append({"what": "best_lit_vs_trl", "a": lit, "b": t.name, "ratio": tps[lit] / tps[t.name]})
+    for c in runs:  # what the selected-positions head buys the plain loop
+        twin = next((d for d in runs if d.kind == "plain" and c.kind == "plain" and c.full_head and not d.full_head
+                     and d.batches_key == c.batches_key), None)
+        if twin is not None:
+            comparisons.append({"what": "plain_selected_head_vs_full_head", "a": twin.name, "b": c.name,
+                                "ratio": tps[twin.name] / tps[c.name]})
     lit_padded, lit_packed = best("lit", "padded"), best("lit", "packed")
     for c in runs:
         if c.kind == "lit" and c.layout == "packed" and lit_padded:
@@ -488,17 +576,26 @@ def summarize(args, runs: dict[Contender, list[dict]], elapsed: float, rows_chec
     thin = {name: len(v.get("tokens_per_s_runs", ())) < 2 for name, v in contenders.items()}
     for x in comparisons:  # a median of fewer than 2 undisturbed runs is a weak number
         x["reliable"] = not (thin[x["a"]] or thin[x["b"]])
+    # The targets: of the SFT issue at the tiny vocabulary, of the real-vocabulary issue with --vocab-size.
+    real_vocab = args.vocab_size is not None
+    plain_bar, trl_bar, memory_bar = (0.95, 2.0, 0.5) if real_vocab else (0.85, 1.5, None)
     targets = {}
     lit_plain = [x for x in comparisons if x["what"] == "lit_vs_plain_same_batches"]
     if lit_plain:
         ours = next((x for x in lit_plain if x["a"] == lit), None) or min(lit_plain, key=lambda x: x["ratio"])
-        targets["lit_ge_0.85x_plain"] = {"pair": [ours["a"], ours["b"]], "ratio": ours["ratio"], "met": ours["ratio"] >= 0.85,
-                                         "all_pairs_met": all(x["ratio"] >= 0.85 for x in lit_plain),
-                                         "reliable": ours["reliable"]}
+        targets[f"lit_ge_{plain_bar}x_plain"] = {
+            "pair": [ours["a"], ours["b"]], "ratio": ours["ratio"], "met": ours["ratio"] >= plain_bar,
+            "all_pairs_met": all(x["ratio"] >= plain_bar for x in lit_plain), "reliable": ours["reliable"]}
     if lit and trl_best:
         ratio = tps[lit] / tps[trl_best]
-        targets["lit_ge_1.5x_trl"] = {"pair": [lit, trl_best], "ratio": ratio, "met": ratio >= 1.5,
-                                      "reliable": not (thin[lit] or thin[trl_best])}
+        targets[f"lit_ge_{trl_bar}x_trl"] = {"pair": [lit, trl_best], "ratio": ratio, "met": ratio >= trl_bar,
+                                             "reliable": not (thin[lit] or thin[trl_best])}
+        if memory_bar is not None:  # peak memory of lit-rl's fastest setting against TRL's fastest
+            mem = {name: contenders[name]["peak_rss_gb_median"] for name in (lit, trl_best)}
+            ratio = mem[lit] / mem[trl_best]
+            targets[f"lit_peak_memory_le_{memory_bar}x_trl"] = {
+                "pair": [lit, trl_best], "ratio": ratio, "met": ratio <= memory_bar,
+                "reliable": not (thin[lit] or thin[trl_best])}
     import lightning
     import torch
     import transformers
@@ -517,7 +614,7 @@ def summarize(args, runs: dict[Contender, list[dict]], elapsed: float, rows_chec
         "settings": {
             k: getattr(args, k)
             for k in ("rounds", "warmup", "steps", "batch_size", "max_length", "rows", "min_tokens", "max_tokens", "lr",
-                      "threads", "seed", "quiet_wait", "max_foreign", "retries", "max_wall")
+                      "vocab_size", "head_chunk_size", "threads", "seed", "quiet_wait", "max_foreign", "retries", "max_wall")
         },
         "same_trained_tokens_every_step": same_tokens,
         "trl_mask_rows_checked": rows_checked,
@@ -532,17 +629,19 @@ def summarize(args, runs: dict[Contender, list[dict]], elapsed: float, rows_chec
 def markdown(summary: dict) -> str:
     lines = [
         "| contender | trained tok/s (median of undisturbed runs) | runs | s/step | trained tok/step | slots/step | slots per trained tok "
-        "| micro-batches/step | other procs' cores per run |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---|",
+        "| micro-batches/step | peak RSS GB (worker) | other procs' cores per run |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, c in summary["contenders"].items():
         if c["tokens_per_s_median"] is None:
-            lines.append(f"| {name} | no number: every run disturbed (or none started) | | | | | | | |")
+            lines.append(f"| {name} | no number: every run disturbed (or none started) | | | | | | | | |")
             continue
+        worker = c["worker_peak_rss_gb_median"]
         lines.append(
             f"| {name} | {c['tokens_per_s_median']:.0f} | {', '.join(f'{x:.0f}' for x in c['tokens_per_s_runs'])} | "
             f"{c['step_s_median']:.3f} | {c['trained_tokens_per_step']:.0f} | {c['slots_per_step']:.0f} | "
             f"{c['slots_per_trained_token']:.2f} | {c['micro_batches_per_step']:.1f} | "
+            f"{c['peak_rss_gb_median']:.2f}" + (f" ({worker:.2f})" if worker else "") + " | "
             f"{', '.join('?' if x is None else f'{x:.2f}' for x in c['foreign_cores_runs'])} |"
         )
     lines.append("")
@@ -571,7 +670,6 @@ def main(argv=None) -> dict:
             os.path.join(workdir, "chats.jsonl"), args.rows, seed=args.seed, min_tokens=args.min_tokens, max_tokens=args.max_tokens
         )
         rows_checked = check_trl_masks(args, data_path) if any(c.kind == "trl" for c in args.contenders) else 0
-        plain_batches = {c.batches_key: collect_batches(args, data_path, c) for c in args.contenders if c.kind == "plain"}
         runs: dict[Contender, list[dict]] = {c: [] for c in args.contenders}
         out_of_time = False
         for rnd in range(args.rounds):
@@ -586,26 +684,15 @@ def main(argv=None) -> dict:
                     waited = wait_until_quiet(args.quiet_wait)
                     abort_above = args.max_foreign  # a disturbed run is stopped early, not finished for nothing
                     t0 = time.perf_counter()
-                    try:
-                        if c.kind == "lit":
-                            clock = run_lit(args, data_path, c, workdir, abort_above)
-                        elif c.kind == "plain":
-                            clock = run_plain(args, plain_batches[c.batches_key], c, abort_above)
-                        else:
-                            clock = run_trl(args, data_path, c, workdir, abort_above)
-                    except Exception as e:  # Lightning and TRL may wrap what a callback raises
-                        cause = e
-                        while cause is not None and not isinstance(cause, Disturbed):
-                            cause = cause.__cause__ or cause.__context__
-                        if cause is None:
-                            raise
-                        print(f"round {rnd + 1}/{args.rounds} {c.name:30s} stopped: {cause}", file=sys.stderr, flush=True)
+                    result = run_in_fresh_process(args, data_path, c, workdir, abort_above)
+                    if "disturbed" in result:
+                        print(f"round {rnd + 1}/{args.rounds} {c.name:30s} stopped: {result['disturbed']}", file=sys.stderr, flush=True)
                         continue
-                    result = clock.result()
                     busy = result["foreign_cores"]
                     print(
                         f"round {rnd + 1}/{args.rounds} {c.name:30s} {result['tokens_per_s']:6.0f} trained tok/s "
-                        f"({result['step_s']:.3f} s/step, run {time.perf_counter() - t0:.1f} s, waited {waited:.0f} s "
+                        f"({result['step_s']:.3f} s/step, peak RSS {result['peak_rss_gb']:.2f} GB, run "
+                        f"{time.perf_counter() - t0:.1f} s, waited {waited:.0f} s "
                         f"for a quiet CPU, other processes used {'?' if busy is None else f'{busy:.2f}'} cores)",
                         file=sys.stderr,
                         flush=True,
