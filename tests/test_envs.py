@@ -52,3 +52,33 @@ def test_pass_at_k_by_hand():
     m.update([1.0, 0.0, 0.0, 0.0])
     m.update([1.0, 1.0, 0.5, 0.9])
     assert m.compute().item() == pytest.approx((0.5 + (1 - 1 / 6)) / 2)
+
+
+def test_arithmetic_env_tasks_reward_and_config():
+    from lit_rl.rollouts import ArithmeticEnv
+
+    env = ArithmeticEnv(num_tasks=50, min_value=-5, max_value=12, ops="+-*", task_seed=3)
+    tasks = env.tasks()
+    assert len(tasks) == 50 and env.name == "arithmetic" and [t["id"] for t in tasks[:2]] == ["0", "1"]
+    assert {op for t in tasks for op in "+-*" if f" {op} " in t["prompt"][0]["content"]} == {"+", "-", "*"}
+    for t in tasks:  # the stated answer is the question's value
+        question = t["prompt"][0]["content"]
+        assert question.startswith("What is ") and eval(question[len("What is "):question.index("?")]) == t["answer"]
+    t = next(t for t in tasks if t["answer"] < 0)
+    score = lambda text: asyncio.run(env.score(text, t))  # noqa: E731
+    assert score(f"... so the answer is {t['answer']}.") == 1.0
+    assert score(f"{t['answer']} or maybe {t['answer'] + 1}") == 0.0  # the last integer counts
+    assert score(f"it is {-t['answer']}") == 0.0 and score("no idea") == 0.0
+
+    config = env.to_config()
+    assert config["class_path"] == "lit_rl.rollouts.envs.ArithmeticEnv"
+    again = ArithmeticEnv(**config["init_args"])
+    assert again.to_config() == config and again.tasks() == tasks
+    assert ArithmeticEnv(num_tasks=50, min_value=-5, max_value=12, task_seed=4).tasks() != tasks
+
+
+def test_arithmetic_env_reports_every_bad_argument():
+    from lit_rl.rollouts import ArithmeticEnv
+
+    with pytest.raises(ValueError, match="num_tasks.*min_value.*ops"):
+        ArithmeticEnv(num_tasks=0, min_value=3, max_value=1, ops="/")

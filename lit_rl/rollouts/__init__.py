@@ -1,5 +1,11 @@
-"""Environments (tasks + rewards), shared by online evals and GRPO rollouts."""
+"""Environments (tasks + rewards), shared by online evals and GRPO rollouts, and the pieces
+a rollout is assembled from (`RolloutContext`, `TrainSampling`, `Transcript`)."""
 
-from lit_rl.rollouts.envs import Environment, ReverseTextEnv, lcs_ratio
+from lit_rl.rollouts.context import RolloutContext, TrainSampling
+from lit_rl.rollouts.envs import ArithmeticEnv, Environment, ReverseTextEnv, lcs_ratio
+from lit_rl.rollouts.turns import Transcript, completion_sample, completion_text
 
-__all__ = ["Environment", "ReverseTextEnv", "lcs_ratio"]
+__all__ = [
+    "ArithmeticEnv", "Environment", "ReverseTextEnv", "RolloutContext", "TrainSampling", "Transcript",
+    "completion_sample", "completion_text", "lcs_ratio",
+]

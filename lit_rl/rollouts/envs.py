@@ -1,22 +1,28 @@
 """Environments: a dataset of tasks plus a scoring function.
 
-One interface serves online evals now and GRPO rollouts later: an environment lists
-its tasks, turns a task into a chat prompt, and scores a completion with
-`reward(completion, task) -> float` (sync or async). Sampling settings and how many
-samples to draw per prompt belong to the environment, so an eval and a rollout of the
-same task are configured the same way.
+One interface serves online evals and GRPO rollouts: an environment lists its tasks, turns
+a task into a chat prompt, and scores a completion with `reward(completion, task) -> float`
+(sync or async). `evaluate` samples with the environment's own (eval) `Sampling`;
+`rollout(task, ctx)` samples a group for training with the trainer's `TrainSampling` from
+the context, and a multi-turn environment overrides it using `lit_rl.rollouts.turns`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lit_rl.data.samples import SampleGroup
 from lit_rl.data.sources import open_split
+from lit_rl.inference.client import chat_prompt_ids
+from lit_rl.rollouts.context import RolloutContext
+from lit_rl.rollouts.turns import completion_sample, completion_text
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,15 @@ class Environment:
         """The chat messages sent to the model for this task."""
         return task["prompt"]
 
+    def tools(self, task: dict) -> list[dict] | None:
+        """Tool definitions rendered into this task's prompt during rollouts (None: no tools)."""
+        return None
+
+    def task_id(self, task: dict) -> str | None:
+        """A stable id for traces and groups: the task's ``"id"``, if it has one."""
+        value = task.get("id")
+        return None if value is None else str(value)
+
     def reward(self, completion: str, task: dict) -> float:
         raise NotImplementedError
 
@@ -125,6 +140,24 @@ class Environment:
         if inspect.isawaitable(value):
             value = await value
         return float(value)
+
+    async def rollout(self, task: dict, ctx: RolloutContext) -> SampleGroup:
+        """Training samples for one task: `ctx.group_size` single-turn completions of its prompt.
+
+        Each sample is prompt ids + the completion's exact ids and logprobs (see
+        `completion_sample`), rewarded on the text decoded here from those ids. The buffer, not
+        the environment, fills `advantages` and `policy_version`. Override for multi-turn tasks.
+        """
+        prompt_ids = chat_prompt_ids(ctx.tokenizer, self.prompt(task), self.tools(task), ctx.chat_template_kwargs)
+        outs = await ctx.client.generate(prompt_ids, n=ctx.group_size, **ctx.sampling.request_kwargs())
+        texts = [completion_text(ctx.tokenizer, c) for c in outs]
+        rewards = await asyncio.gather(*(self.score(text, task) for text in texts))
+        task_id = self.task_id(task)
+        samples = [
+            completion_sample(prompt_ids, c, reward=r, metadata={"task_id": task_id, "completion": text})
+            for c, text, r in zip(outs, texts, rewards)
+        ]
+        return SampleGroup(samples=samples, task_id=task_id)
 
     async def evaluate(self, run: EvalRun) -> dict[str, float]:
         """Sample every task from the served checkpoint, score, and return the metrics
@@ -186,10 +219,61 @@ class ReverseTextEnv(Environment):
     def load_tasks(self) -> list[dict]:
         rows = open_split(self.path)
         tasks = []
-        for row in rows:
+        for i, row in enumerate(rows):
             user = next(m for m in row["messages"] if m["role"] == "user")
-            tasks.append({"prompt": [{"role": "user", "content": user["content"]}], "text": user["content"]})
+            tasks.append({"id": str(i), "prompt": [{"role": "user", "content": user["content"]}], "text": user["content"]})
         return tasks
 
     def reward(self, completion: str, task: dict) -> float:
         return lcs_ratio(completion.strip(), task["text"][::-1])
+
+
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+_INT = re.compile(r"-?\d+")
+
+
+class ArithmeticEnv(Environment):
+    """A verifiable task that needs no data: "What is 17 + 25?" over small integers.
+
+    Tasks are drawn from `task_seed`, so every process (trainer, evaluator) lists the same ones.
+    Reward: 1.0 if the last integer in the completion equals the answer, else 0.0.
+    """
+
+    default_name = "arithmetic"
+    default_max_tokens = 32
+
+    def __init__(self, num_tasks: int = 1000, min_value: int = 0, max_value: int = 20, ops: str = "+-*",
+                 task_seed: int = 0, **kwargs):
+        """
+        Args:
+            num_tasks: how many tasks to generate.
+            min_value, max_value: operands are drawn uniformly from [min_value, max_value].
+            ops: the operators to draw from, any of "+", "-", "*".
+            task_seed: seed of the task generator (``seed`` is the eval sampling seed).
+        """
+        problems = []
+        if num_tasks < 1:
+            problems.append(f"num_tasks must be >= 1, got {num_tasks}")
+        if min_value > max_value:
+            problems.append(f"min_value ({min_value}) must be <= max_value ({max_value})")
+        if not ops or set(ops) - set(_OPS):
+            problems.append(f"ops must be a non-empty string of {''.join(_OPS)!r}, got {ops!r}")
+        if problems:
+            raise ValueError("ArithmeticEnv: " + "; ".join(problems))
+        super().__init__(**kwargs)
+        self.num_tasks, self.min_value, self.max_value = num_tasks, min_value, max_value
+        self.ops, self.task_seed = ops, task_seed
+
+    def load_tasks(self) -> list[dict]:
+        rng = random.Random(self.task_seed)
+        tasks = []
+        for i in range(self.num_tasks):
+            a, b = rng.randint(self.min_value, self.max_value), rng.randint(self.min_value, self.max_value)
+            op = rng.choice(self.ops)
+            question = f"What is {a} {op} {b if b >= 0 else f'({b})'}? End your answer with the result as an integer."
+            tasks.append({"id": str(i), "prompt": [{"role": "user", "content": question}], "answer": _OPS[op](a, b)})
+        return tasks
+
+    def reward(self, completion: str, task: dict) -> float:
+        numbers = _INT.findall(completion)
+        return 1.0 if numbers and int(numbers[-1]) == task["answer"] else 0.0
