@@ -37,3 +37,165 @@ def masked_cross_entropy_sum(logits: torch.Tensor, input_ids: torch.Tensor, loss
     picked_logits = logits[:, :-1][targets].float()  # [N, V], N = target tokens
     picked_ids = input_ids[:, 1:][targets]  # [N]
     return F.cross_entropy(picked_logits, picked_ids, reduction="sum")  # []
+
+
+# ---- the policy-gradient loss of GRPO and its relatives ------------------------------------------------
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "gspo")
+IS_CORRECTIONS = ("token_truncate", "token_mask", "none")
+POLICY_METRICS = ("mismatch_kl", "clip_fraction", "is_capped_fraction")
+
+
+def check_policy_loss_options(loss_type: str, is_correction: str, clip_low: float, clip_high: float, is_cap: float,
+                              max_completion_length: int | None) -> list[str]:
+    """Every problem with a combination of policy-loss options, for one error at start-up."""
+    problems = []
+    if loss_type not in LOSS_TYPES:
+        problems.append(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if is_correction not in IS_CORRECTIONS:
+        problems.append(f"is_correction must be one of {IS_CORRECTIONS}, got {is_correction!r}")
+    if not 0 <= clip_low < 1 or clip_high < 0:
+        problems.append(f"need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+    if is_cap <= 0:
+        problems.append(f"is_cap must be > 0, got {is_cap}")
+    if loss_type == "dr_grpo" and (max_completion_length is None or max_completion_length < 1):
+        problems.append(f"loss_type 'dr_grpo' needs max_completion_length >= 1, got {max_completion_length}")
+    return problems
+
+
+def policy_loss_sums(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    inference_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    sequence_ids: torch.Tensor,
+    *,
+    loss_type: str = "dapo",
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    is_correction: str = "token_truncate",
+    is_cap: float = 2.0,
+    extra_token_loss: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The numerator of `policy_loss` and its metric sums, for tokens laid out in any shape.
+
+    All tensors share one shape (e.g. a packed micro-batch [B, T]); `advantages` is per token
+    and `sequence_ids` says which sequence each token belongs to (>= 0; packing puts -1 on
+    padding, which loss_mask excludes). A sequence must lie wholly in the tensors given, so
+    that per-sequence means are exact; then the sums of several calls (micro-batches, ranks)
+    add up to the sums of one call over everything, and dividing by `policy_loss_normaliser`
+    of everything gives `policy_loss`. `extra_token_loss` (e.g. a KL penalty per token) is
+    added to each token's loss before aggregation. Returns (loss sum [], metric sums: each
+    metric's sum over masked tokens, plus "tokens", the masked-token count).
+    """
+    mask = loss_mask.bool()
+    lp, old, inf, adv = logprobs[mask], old_logprobs[mask], inference_logprobs[mask], advantages[mask]  # [N] each
+    seq = sequence_ids[mask]  # [N]
+    _, seq = torch.unique(seq, return_inverse=True)  # [N], sequences renumbered 0..S-1
+    num_seqs = int(seq.max()) + 1 if seq.numel() else 0
+    per_seq_tokens = torch.zeros(num_seqs, dtype=lp.dtype, device=lp.device).index_add_(0, seq, torch.ones_like(lp))  # [S]
+
+    def seq_mean(values: torch.Tensor) -> torch.Tensor:  # [N] -> [N]: each token gets its sequence's mean
+        sums = torch.zeros(num_seqs, dtype=values.dtype, device=values.device).index_add_(0, seq, values)  # [S]
+        return (sums / per_seq_tokens)[seq]  # [N]
+
+    log_ratio = lp - old  # [N]
+    if loss_type == "gspo":
+        log_ratio = seq_mean(log_ratio)  # [N]: the sequence-level ratio, on every token of the sequence
+    ratio = torch.exp(log_ratio)  # [N]
+    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [N]
+    objective = torch.minimum(ratio * adv, clipped_ratio * adv)  # [N]
+    log_w = (old - inf).detach()  # [N]: behaviour-policy log-weight (trainer before the update vs sampler)
+    w = torch.exp(log_w)  # [N]
+    if is_correction == "token_truncate":
+        weight = w.clamp(max=is_cap)  # [N]
+    elif is_correction == "token_mask":
+        weight = torch.where(w <= is_cap, w, torch.zeros_like(w))  # [N]
+    elif is_correction == "none":
+        weight = torch.ones_like(w)  # [N]
+    else:
+        raise ValueError(f"is_correction must be one of {IS_CORRECTIONS}, got {is_correction!r}")
+    token_loss = -weight * objective  # [N]
+    if extra_token_loss is not None:
+        token_loss = token_loss + extra_token_loss[mask]  # [N]
+    if loss_type in ("grpo", "gspo"):
+        loss_sum = (token_loss / per_seq_tokens[seq]).sum()  # []: sum over sequences of each one's token mean
+    elif loss_type in ("dapo", "dr_grpo"):
+        loss_sum = token_loss.sum()  # []
+    else:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    with torch.no_grad():
+        clipped = ((ratio < 1.0 - clip_low) & (adv < 0)) | ((ratio > 1.0 + clip_high) & (adv > 0))  # [N]
+        metrics = {
+            "mismatch_kl": (w - log_w - 1.0).sum(),  # uncapped w: how far the sampler is from the trainer
+            "clip_fraction": clipped.float().sum(),
+            "is_capped_fraction": (w > is_cap).float().sum(),
+            "tokens": torch.tensor(float(lp.numel()), device=lp.device),
+        }
+    return loss_sum, metrics
+
+
+def policy_loss_normaliser(loss_mask: torch.Tensor, sequence_ids: torch.Tensor, *, loss_type: str = "dapo",
+                           max_completion_length: int | None = None) -> float:
+    """What `policy_loss_sums` is divided by: masked tokens (dapo), sequences with a masked token
+    (grpo, gspo; a sequence with none, e.g. filtered, has no mean and does not count), or all
+    sequences (sequence_ids >= 0) x `max_completion_length` (dr_grpo). Known before any
+    forward, and additive over disjoint parts (micro-batches, ranks)."""
+    mask = loss_mask.bool()
+    if loss_type == "dapo":
+        return float(mask.sum())
+    if loss_type in ("grpo", "gspo"):
+        return float(torch.unique(sequence_ids[mask]).numel())
+    if loss_type == "dr_grpo":  # a constant per sequence: every sequence counts, trained tokens or not
+        if not max_completion_length:
+            raise ValueError("loss_type 'dr_grpo' needs max_completion_length")
+        return float(torch.unique(sequence_ids[sequence_ids >= 0]).numel()) * max_completion_length
+    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    inference_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    loss_type: str = "dapo",
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    is_correction: str = "token_truncate",
+    is_cap: float = 2.0,
+    max_completion_length: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped policy-gradient loss with a behaviour-policy correction, one row per sample.
+
+    logprobs, old_logprobs, inference_logprobs, loss_mask: [B, T]; advantages: [B].
+    Per token: r = exp(logprobs - old_logprobs), o = min(r A, clip(r, 1 - clip_low, 1 + clip_high) A),
+    w = exp(old_logprobs - inference_logprobs) (detached; token_truncate: min(w, is_cap),
+    token_mask: w if w <= is_cap else 0, none: 1), l = -w o. Aggregated over masked tokens:
+    grpo: mean over sequences of each one's token mean; dapo: sum / masked tokens;
+    dr_grpo: sum / (B x max_completion_length); gspo: r is the sequence-level ratio
+    exp(mean of the sequence's log-ratios), clipped per sequence, aggregated like grpo.
+
+    `old_logprobs` are the trainer's logprobs before this step's update. lit-rl takes one
+    optimizer step per batch, so they equal `logprobs.detach()`: r is 1 (its gradient is not),
+    clipping never binds, and the off-policy part is carried by w, the correction against the
+    sampler's (inference) logprobs, which is how prime-rl does it too (no extra old-logprob
+    pass). The general form stays for several updates per batch.
+
+    Metrics: mismatch_kl (mean over masked tokens of w - log w - 1, uncapped w: 0 when the
+    sampler and the trainer agree), clip_fraction (tokens whose clipped term was taken),
+    is_capped_fraction (tokens with w > is_cap).
+    """
+    problems = check_policy_loss_options(loss_type, is_correction, clip_low, clip_high, is_cap, max_completion_length)
+    if problems:
+        raise ValueError("policy_loss: " + "; ".join(problems))
+    rows = torch.arange(loss_mask.shape[0], device=loss_mask.device)[:, None].expand_as(loss_mask)  # [B, T]
+    per_token_advantages = advantages[:, None].expand_as(logprobs)  # [B, T]
+    loss_sum, sums = policy_loss_sums(
+        logprobs, old_logprobs, inference_logprobs, per_token_advantages, loss_mask, rows, loss_type=loss_type,
+        clip_low=clip_low, clip_high=clip_high, is_correction=is_correction, is_cap=is_cap,
+    )
+    normaliser = policy_loss_normaliser(loss_mask, rows, loss_type=loss_type, max_completion_length=max_completion_length)
+    tokens = max(float(sums["tokens"]), 1.0)
+    return loss_sum / max(normaliser, 1.0), {name: float(sums[name]) / tokens for name in POLICY_METRICS}
