@@ -159,7 +159,10 @@ def test_vanished_checkpoint_is_skipped_and_training_succeeds(tmp_path, reverse_
     assert status[0] == "ok" and status[6] == "failed"
     assert status.get(3) in ("ok", "skipped")
     log = (root / "evals" / "evaluator.log").read_text()
-    assert "final step 6 has no STABLE checkpoint" in log
+    # The evaluator either finds the directory already gone (the announced final step is
+    # missing) or loses the race while leasing it (vanished under it): both skip step 6.
+    assert ("final step 6 has no STABLE checkpoint" in log
+            or ("step 6 failed (FileNotFoundError" in log and "skipping its evals" in log)), log
 
 
 @pytest.mark.slow
