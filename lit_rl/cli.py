@@ -4,30 +4,75 @@
 module and datamodule are chosen by `class_path`, every field can be overridden with
 a dotted flag or an `LIT_RL_*`-style environment variable (see docs/cli.md), and
 `--print_config` shows the whole resolved config. Commands that are not Lightning
-trainer entry points (`lit-rl data ...`) live beside them under the same name.
+trainer entry points (`lit-rl data ...`) live beside them under the same name; `lit-rl
+--help` lists them all (COMMANDS).
+
+A user's mistake (a missing file or column, a model that cannot be downloaded, a bad
+option value) is reported in one message without a traceback; see lit_rl/errors.py.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
+from typing import NamedTuple
 
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_rl.callbacks import checkpoint
-
+from lit_rl.callbacks.progress import StepProgressBar
+from lit_rl.errors import DEBUG_ENV, UserError, debug, user_message
 from lit_rl.modules.base import CausalLMModule
 
-LIGHTNING_COMMANDS = ("fit", "validate")
-EXTRA_COMMANDS = {
-    "data": "lit_rl.commands.data",
-    "serve": "lit_rl.commands.serve",
-    "evaluate": "lit_rl.commands.evaluate",
-    "report": "lit_rl.commands.report",
+
+class Command(NamedTuple):
+    summary: str
+    example: str
+    module: str | None  # None: a LightningCLI subcommand
+
+
+COMMANDS = {
+    "fit": Command("train a model from a config (SFT now; GRPO and distillation soon)",
+                   "lit-rl fit --config examples/reverse_text/sft.yaml --trainer.max_steps 100", None),
+    "validate": Command("the validation loss on data.val_path or data.val_split",
+                        "lit-rl validate --config examples/reverse_text/sft.yaml", None),
+    "data": Command("show the rows of a config as they will be trained, trained tokens marked",
+                    "lit-rl data preview --config examples/reverse_text/sft.yaml --rows 2", "lit_rl.commands.data"),
+    "serve": Command("run a vLLM server in the foreground, for configs that take a base_url",
+                     "lit-rl serve --model runs/reverse_text_sft/weights/step_100", "lit_rl.commands.serve"),
+    "evaluate": Command("evaluate the exported checkpoints of a run",
+                        "lit-rl evaluate --weights-dir runs/reverse_text_sft/weights --env lit_rl.rollouts.ReverseTextEnv",
+                        "lit_rl.commands.evaluate"),
+    "report": Command("plot a run's training and eval curves to a PNG",
+                      "lit-rl report runs/reverse_text_sft", "lit_rl.commands.report"),
 }
+LIGHTNING_COMMANDS = tuple(name for name, c in COMMANDS.items() if c.module is None)
+EXTRA_COMMANDS = {name: c.module for name, c in COMMANDS.items() if c.module is not None}
+
+
+def usage() -> str:
+    """The top-level help: every command, one line each, with an example."""
+    width = max(map(len, COMMANDS))
+    lines = [
+        "usage: lit-rl COMMAND [options]",
+        "",
+        "Post-training for LLMs on PyTorch Lightning. `lit-rl COMMAND --help` shows a command's options.",
+        "",
+        "commands:",
+    ]
+    for name, c in COMMANDS.items():
+        lines += [f"  {name:<{width}}  {c.summary}", f"  {'':<{width}}    e.g. {c.example}"]
+    lines += [
+        "",
+        "fit and validate take any config field as a dotted flag (--trainer.max_steps 50) or an environment",
+        "variable (LIT_RL_FIT__TRAINER__MAX_STEPS=50); --print_config shows the resolved config.",
+        f"{DEBUG_ENV}=1 shows the traceback of an error that is reported as one message. Docs: docs/cli.md",
+    ]
+    return "\n".join(lines)
 
 
 class LitRLCLI(LightningCLI):
@@ -40,6 +85,10 @@ class LitRLCLI(LightningCLI):
     - Logs go to a CSVLogger under `default_root_dir/logs` unless a logger is given.
     - Resumable checkpoints go to `default_root_dir/checkpoints/last.ckpt` (RunCheckpoint)
       unless the config brings its own ModelCheckpoint or disables checkpointing.
+    - The progress bar counts optimizer steps of the whole run (StepProgressBar) unless the
+      config brings its own or disables it.
+    - A config value that a class rejects (a ValueError from its `__init__`, a Lightning
+      MisconfigurationException) is a UserError: one message, no traceback.
     """
 
     def __init__(self, *args, **kwargs):
@@ -47,7 +96,7 @@ class LitRLCLI(LightningCLI):
         kwargs.setdefault("auto_configure_optimizers", False)
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
-        kwargs.setdefault("parser_kwargs", {"default_env": True, "env_prefix": "LIT_RL"})
+        kwargs.setdefault("parser_kwargs", {"default_env": True, "env_prefix": "LIT_RL", "prog": "lit-rl"})
         defaults = {"use_distributed_sampler": False}
         defaults.update(kwargs.pop("trainer_defaults", None) or {})
         super().__init__(CausalLMModule, LightningDataModule, *args, trainer_defaults=defaults, **kwargs)
@@ -66,12 +115,50 @@ class LitRLCLI(LightningCLI):
                 "init_args": {"save_dir": root, "name": "logs"},
             }
 
+    def instantiate_classes(self) -> None:
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+        try:
+            super().instantiate_classes()
+        except (ValueError, MisconfigurationException) as e:
+            # jsonargparse wraps what a class's __init__ raised; a ValueError there is an argument check,
+            # anything else (a TypeError, say) a bug that keeps its traceback
+            cause = e
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            if not isinstance(cause, (ValueError, MisconfigurationException)):
+                raise
+            raise UserError(f"invalid config: {cause}") from e
 
     def _instantiate_trainer(self, config, callbacks):
         given = [*(config.get("callbacks") or []), *callbacks]
         if config.get("enable_checkpointing") is not False and not any(isinstance(c, ModelCheckpoint) for c in given):
             callbacks = [*callbacks, checkpoint.RunCheckpoint()]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
+            callbacks = [*callbacks, StepProgressBar()]
         return super()._instantiate_trainer(config, callbacks)
+
+
+def run_command(args: list[str], argv: list[str] | None) -> None:
+    """Dispatch to a lit-rl command or to LightningCLI (which reads sys.argv itself when `argv` is None)."""
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage(), file=sys.stdout if args else sys.stderr)
+        raise SystemExit(0 if args else 2)
+    name = args[0]
+    if name in EXTRA_COMMANDS:
+        import importlib
+
+        importlib.import_module(EXTRA_COMMANDS[name]).main(args[1:])
+        return
+    if name not in COMMANDS and not name.startswith("-"):
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise UserError(f"unknown command {name!r}{hint}; the commands are {', '.join(COMMANDS)} (lit-rl --help)")
+    try:
+        LitRLCLI(args=argv)
+    except SIGTERMException:
+        # stopped by SIGTERM or Ctrl-C after saving a resumable checkpoint
+        raise SystemExit(128 + int(checkpoint.stopped_by or 15)) from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,17 +166,16 @@ def main(argv: list[str] | None = None) -> None:
     # the working directory, as with `python -m`; the console script alone would not see them.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    args = sys.argv[1:] if argv is None else argv
-    if args and args[0] in EXTRA_COMMANDS:
-        import importlib
-
-        importlib.import_module(EXTRA_COMMANDS[args[0]]).main(args[1:])
-        return
+    args = sys.argv[1:] if argv is None else list(argv)
     try:
-        LitRLCLI(args=argv)  # None: LightningCLI reads sys.argv itself
-    except SIGTERMException:
-        # stopped by SIGTERM or Ctrl-C after saving a resumable checkpoint
-        raise SystemExit(128 + int(checkpoint.stopped_by or 15)) from None
+        run_command(args, argv)
+    except Exception as e:
+        message = user_message(e)
+        if message is None or debug():
+            raise
+        command = f" {args[0]}" if args and args[0] in COMMANDS else ""
+        print(f"lit-rl{command}: error: {message}\n(set {DEBUG_ENV}=1 to see the traceback)", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -1,30 +1,131 @@
-"""Learning-rate schedules usable by class_path from a config (`model.init_args.lr_scheduler`)."""
+"""Learning-rate schedules for `model.init_args.lr_scheduler`: transformers' schedules, sized by the trainer.
+
+    lr_scheduler:
+      class_path: lit_rl.optim.LRSchedule
+      init_args: {name: cosine_with_min_lr, warmup_steps: 50, scheduler_kwargs: {min_lr_rate: 0.1}}
+
+The schedules themselves are transformers' (`transformers.get_scheduler`: linear, cosine,
+cosine_with_min_lr, constant_with_warmup, warmup_stable_decay, ...); lit-rl adds only their
+length. By default it is the trainer's number of optimizer steps (`trainer.max_steps`, or what
+`max_epochs` amounts to), so `--trainer.max_steps 50` alone shortens the schedule too; a
+config that repeats the number in `total_steps` would go wrong when only one is overridden.
+
+Why a context variable: LightningCLI fixes the schedule factory's signature to
+`Callable[[Optimizer], LRScheduler]`, so the module cannot hand the step count over as an
+argument. `build_lr_scheduler` (called by the module's `configure_optimizers`) sets it around
+the factory call and `LRSchedule` reads it when `total_steps` is not given.
+"""
 
 from __future__ import annotations
 
+import logging
 import math
+from contextvars import ContextVar
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from lit_rl.errors import ConfigError
 
-class WarmupCosineLR(LambdaLR):
-    """Linear warm-up for `warmup_steps`, then cosine decay to `min_lr_ratio` x the peak at `total_steps`.
+log = logging.getLogger(__name__)
 
-    Stepped once per optimizer step (lit-rl modules step it themselves).
+_TRAINER_STEPS: ContextVar[int | None] = ContextVar("lit_rl_trainer_steps", default=None)
+UNSUPPORTED = {"reduce_lr_on_plateau": "it needs a monitored metric", "greedy": "it needs a monitored metric"}
+
+
+def trainer_total_steps(trainer) -> int | None:
+    """The optimizer steps the trainer will take in total (one batch is one step in lit-rl), or None
+    when unknown (no trainer, or an endless run)."""
+    if trainer is None:
+        return None
+    steps = trainer.estimated_stepping_batches
+    return int(steps) if math.isfinite(steps) and steps > 0 else None
+
+
+def build_lr_scheduler(factory, optimizer: Optimizer, total_steps: int | None):
+    """`factory(optimizer)`, with `total_steps` as the default length of an `LRSchedule`."""
+    token = _TRAINER_STEPS.set(total_steps)
+    try:
+        return factory(optimizer)
+    finally:
+        _TRAINER_STEPS.reset(token)
+
+
+def scheduler_names() -> list[str]:
+    from transformers.trainer_utils import SchedulerType
+
+    return [s.value for s in SchedulerType if s.value not in UNSUPPORTED]
+
+
+class LRSchedule(LambdaLR):
+    """A transformers schedule (`transformers.get_scheduler`) stepped once per optimizer step."""
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        name: str = "cosine",
+        warmup_steps: int = 0,
+        total_steps: int | None = None,
+        scheduler_kwargs: dict | None = None,
+    ):
+        """
+        Args:
+            optimizer: the module's optimizer (given by the module, not the config).
+            name: a ``transformers.SchedulerType``: linear, cosine, cosine_with_restarts, polynomial,
+                constant, constant_with_warmup, inverse_sqrt, cosine_with_min_lr,
+                cosine_warmup_with_min_lr, warmup_stable_decay.
+            warmup_steps: optimizer steps of linear warm-up from 0 to the optimizer's lr.
+            total_steps: length of the schedule in optimizer steps. Default: the trainer's
+                (``trainer.max_steps``, or the steps of ``max_epochs``); give it only to decouple
+                the schedule from the run's length.
+            scheduler_kwargs: extra arguments of the transformers schedule, e.g.
+                ``{min_lr_rate: 0.1}`` for cosine_with_min_lr, ``{num_cycles: 2}`` for cosine_with_restarts.
+        """
+        from transformers import get_scheduler
+
+        trainer_steps = _TRAINER_STEPS.get()
+        steps = total_steps if total_steps is not None else trainer_steps
+        problems = []
+        if name in UNSUPPORTED or name not in scheduler_names():
+            why = f" ({UNSUPPORTED[name]}; lit-rl steps schedules once per optimizer step)" if name in UNSUPPORTED else ""
+            problems.append(f"name must be one of {scheduler_names()}, got {name!r}{why}")
+        if warmup_steps < 0:
+            problems.append(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if steps is None and name != "constant":
+            problems.append(
+                "total_steps is unknown: set trainer.max_steps (or max_epochs), or give total_steps "
+                "(outside a lit-rl module's configure_optimizers there is no trainer to take it from)"
+            )
+        elif steps is not None and steps < 1:
+            problems.append(f"total_steps must be >= 1, got {steps}")
+        if problems:
+            raise ConfigError(f"{type(self).__name__}: " + "; ".join(problems))
+        if steps is not None and steps <= warmup_steps:
+            log.warning("%s: the run (%d steps) ends within the warm-up (%d steps)", type(self).__name__, steps, warmup_steps)
+        if total_steps is not None and trainer_steps is not None and total_steps != trainer_steps:
+            log.warning(
+                "%s: total_steps=%d but the trainer runs %d optimizer steps; the schedule follows total_steps "
+                "(leave it out to follow the trainer)", type(self).__name__, total_steps, trainer_steps,
+            )
+        self.name, self.warmup_steps, self.total_steps = name, warmup_steps, steps
+        built = get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=steps,
+                              scheduler_specific_kwargs=dict(scheduler_kwargs or {}))
+        super().__init__(optimizer, built.lr_lambdas)
+
+
+class WarmupCosineLR(LRSchedule):
+    """Deprecated (lit-rl 0.1 configs): use ``LRSchedule`` with ``name: cosine_with_min_lr``.
+
+    Kept so old configs run: linear warm-up, then cosine decay to ``min_lr_ratio`` x the peak,
+    now computed by transformers. ``total_steps`` is optional: by default the trainer's.
     """
 
-    def __init__(self, optimizer: Optimizer, warmup_steps: int = 0, total_steps: int = 1000, min_lr_ratio: float = 0.0):
-        if total_steps <= 0 or warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
-            raise ValueError(
-                f"WarmupCosineLR: need total_steps > 0, warmup_steps >= 0, 0 <= min_lr_ratio <= 1; got "
-                f"total_steps={total_steps}, warmup_steps={warmup_steps}, min_lr_ratio={min_lr_ratio}"
-            )
-        self.warmup_steps, self.total_steps, self.min_lr_ratio = warmup_steps, total_steps, min_lr_ratio
-        super().__init__(optimizer, self._factor)
-
-    def _factor(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return (step + 1) / (self.warmup_steps + 1)
-        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
-        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    def __init__(self, optimizer: Optimizer, warmup_steps: int = 0, total_steps: int | None = None, min_lr_ratio: float = 0.0):
+        if not 0.0 <= min_lr_ratio <= 1.0:
+            raise ConfigError(f"WarmupCosineLR: min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+        log.warning(
+            "lit_rl.optim.WarmupCosineLR is deprecated: use class_path lit_rl.optim.LRSchedule with init_args "
+            "{name: cosine_with_min_lr, warmup_steps: %d, scheduler_kwargs: {min_lr_rate: %s}} and no total_steps "
+            "(it follows trainer.max_steps)", warmup_steps, min_lr_ratio,
+        )
+        super().__init__(optimizer, "cosine_with_min_lr", warmup_steps, total_steps, {"min_lr_rate": min_lr_ratio})

@@ -41,13 +41,20 @@ def metrics_rows(root: Path):
 @pytest.mark.slow
 def test_fit_runs_end_to_end_and_reruns_into_same_dir(tmp_path):
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(40))
-    args = fit_args(tmp_path, data) + ["--trainer.log_every_n_steps", "1"]
+    args = fit_args(tmp_path, data) + ["--trainer.log_every_n_steps", "1", "--model.init_args.lr_scheduler.init_args.warmup_steps", "1"]
     first = run(args)
     assert first.returncode == 0, first.stderr[-3000:]
     rows = [r for r in metrics_rows(tmp_path / "run") if r.get("train/loss")]
     assert [int(r["step"]) for r in rows] == [0, 1, 2]
     for name in ("train/loss", "train/tokens", "train/tokens_per_s", "train/lr", "train/grad_norm", "train/padding_fraction"):
         assert float(rows[-1][name]) >= 0.0, name
+    # the schedule (cosine to 0.05 x lr after 1 warm-up step) lasts the 3 steps given on the command line only
+    peak, floor = 0.003, 0.05
+    expected = [0.0, peak, peak * (floor + (1 - floor) * 0.5)]
+    assert [float(r["train/lr"]) for r in rows] == pytest.approx(expected)
+    # the default progress bar counts optimizer steps of the run and shows the SFT metrics, no v_num
+    assert " 3/3 [" in first.stdout and "tok/s=" in first.stdout and "loss=" in first.stdout, first.stdout[-2000:]
+    assert "v_num" not in first.stdout and "Epoch" not in first.stdout
     assert (tmp_path / "run" / "weights" / "step_3" / "STABLE").is_file()
     # a second run into the same directory must not trip over the saved config
     second = run(args)

@@ -48,12 +48,21 @@ def build_datamodule(config: str, overrides: list[str]):
 
 
 def preview(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lit-rl data preview", description="Show rows as they will be trained.")
+    parser = argparse.ArgumentParser(
+        prog="lit-rl data preview",
+        description="Show rows of a fit config's training data as they will be trained: the text the model "
+        "sees, with the trained (assistant) tokens between [[ and ]] (green on a terminal).",
+        epilog="Any other option is a dotted override of the config, as with lit-rl fit, e.g. "
+        "--data.init_args.path my_chats.jsonl. Example: lit-rl data preview --config examples/reverse_text/sft.yaml --rows 2",
+    )
     parser.add_argument("--config", required=True, help="the fit config (YAML)")
     parser.add_argument("--rows", type=int, default=5, help="how many rows to show")
     parser.add_argument("--start", type=int, default=0, help="first row index")
     parser.add_argument("--json", action="store_true", help="print one JSON object per row (input_ids, loss_mask)")
     args, overrides = parser.parse_known_args(argv)
+    unknown = [a for a in overrides if a.startswith("-") and "." not in a.split("=")[0]]
+    if unknown:  # not a dotted config override either: say so here, not with fit's 200-line usage
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (config overrides are dotted, e.g. --data.init_args.path)")
     dm = build_datamodule(args.config, overrides)
     dm.batch_size = 1  # a preview renders rows one by one; a small file need not fill a batch
     dm.val_path = dm.val_split = None  # it shows the training rows only
@@ -75,9 +84,16 @@ def preview(argv: list[str]) -> int:
     return 0
 
 
+COMMANDS = {"preview": (preview, "show rows as they will be trained, trained tokens marked")}
+
+
 def main(argv: list[str]) -> None:
-    commands = {"preview": preview}
-    if not argv or argv[0] not in commands:
-        print(f"usage: lit-rl data {{{','.join(commands)}}} ...", file=sys.stderr)
-        raise SystemExit(2)
-    raise SystemExit(commands[argv[0]](argv[1:]))
+    if not argv or argv[0] not in COMMANDS:
+        lines = ["usage: lit-rl data COMMAND [options]   (lit-rl data COMMAND --help for its options)", "", "commands:"]
+        lines += [f"  {name:<8} {summary}" for name, (_, summary) in COMMANDS.items()]
+        asked = bool(argv) and argv[0] in ("-h", "--help")
+        if argv and not asked:
+            lines.insert(0, f"lit-rl data: unknown command {argv[0]!r}")
+        print("\n".join(lines), file=sys.stdout if asked else sys.stderr)
+        raise SystemExit(0 if asked else 2)
+    raise SystemExit(COMMANDS[argv[0]][0](argv[1:]))

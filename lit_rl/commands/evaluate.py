@@ -29,7 +29,7 @@ from lit_rl.run_dir import stable_steps
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="lit-rl evaluate", description="Evaluate a run's exported checkpoints.")
+    p = argparse.ArgumentParser(prog="lit-rl evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--weights-dir", help="a run's weights/ directory")
     where.add_argument("--run-dir", help="a run directory (holds weights/)")

@@ -56,8 +56,8 @@ def plot(series: dict[str, dict[int, float]], names: list[str], out: Path, title
 
 
 def main(argv: list[str]) -> None:
-    p = argparse.ArgumentParser(prog="lit-rl report", description="Plot a run's curves from its CSV logs.")
-    p.add_argument("run_dir")
+    p = argparse.ArgumentParser(prog="lit-rl report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", help="a run directory (trainer.default_root_dir of the run)")
     p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/report.png)")
     p.add_argument("--metrics", nargs="*", default=None, help="metrics to plot (default: loss, throughput, evals)")
     args = p.parse_args(argv)

@@ -25,6 +25,8 @@ def open_split(
     path: str, *, subset: str | None = None, split: str = "train", data_files=None, max_examples: int | None = None
 ) -> datasets.Dataset:
     builder = _local_builder(path)
+    if builder is None and path.endswith(tuple(_BUILDERS)):  # a local file by its name, but not there
+        raise FileNotFoundError(f"no such file {path!r} (a relative path starts from {os.getcwd()})")
     if builder is not None:
         # Local files: `datasets` calls every file's rows the "train" split.
         ds = datasets.load_dataset(builder, data_files=path, split="train")

@@ -12,12 +12,12 @@ import logging
 
 import datasets
 import torch
-from transformers import AutoTokenizer
 
 from lit_rl.data.render import RenderError, render_messages
 from lit_rl.data.rows import RowError, chat_from_row, completion_start
 from lit_rl.data.samples import Sample
 from lit_rl.data.step_builder import build_step
+from lit_rl.model_names import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class RowRenderer:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_name, trust_remote_code=self.trust_remote_code)
+            self._tokenizer = load_tokenizer(self.tokenizer_name, trust_remote_code=self.trust_remote_code)
         return self._tokenizer
 
     def __getstate__(self):

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lit_rl.child_process import dies_with_parent
+from lit_rl.model_names import resolve_model_name
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ class VLLMServer:
             problems.append(f"extra_args must be a list of arguments, got the string {extra_args!r}")
         if problems:
             raise ValueError("VLLMServer: " + "; ".join(problems))
-        local = Path(model).expanduser()
+        local = Path(resolve_model_name(model)).expanduser()  # a built-in name (lit-rl:tiny_qwen3) is a directory
         self.model = str(local.resolve()) if local.exists() else str(model)
         self.host, self.port, self.api_key = host, port, api_key
         self.max_model_len, self.dtype = max_model_len, dtype

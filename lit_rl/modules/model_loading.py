@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from lit_rl.model_names import not_loadable, resolve_model_name
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -23,18 +25,26 @@ def load_causal_lm(
     attn_implementation: str | None = "sdpa",
     seed: int | None = None,
 ) -> PreTrainedModel:
-    """Pretrained weights, or (random_init) fresh weights for the architecture in the config."""
+    """Pretrained weights, or (random_init) fresh weights for the architecture in the config.
+    `name_or_path` may name a built-in model (``lit-rl:tiny_qwen3``, lit_rl/model_names.py)."""
+    path = resolve_model_name(name_or_path)
     torch_dtype = resolve_dtype(dtype)
     kwargs = {"trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     if random_init:
-        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        try:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except OSError as e:
+            raise not_loadable(name_or_path, "model config", e) from e
         if seed is not None:
             torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, **kwargs)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
+        except OSError as e:
+            raise not_loadable(name_or_path, "model", e) from e
     # from_pretrained returns eval mode and Lightning leaves it so (DESIGN.md): train explicitly.
     model.train()
     return model

@@ -1,0 +1,71 @@
+"""Names of the models that ship inside lit-rl: `lit-rl:tiny_qwen3` works from any directory.
+
+A config names its model or tokenizer as a hub name (`Qwen/Qwen3-0.6B`), a local directory,
+or a built-in model (`lit-rl:<name>`, a directory under `lit_rl/assets/` of the installed
+package). `resolve_model_name` turns a built-in name into that directory and leaves every
+other name alone; it is called wherever a name reaches `from_pretrained` or vLLM, so a saved
+config keeps the portable name rather than one machine's path. `load_tokenizer` (and
+`load_causal_lm`) resolve the name and turn transformers' raw `OSError` for a name that
+cannot be loaded (not a local directory, and the hub unreachable or without it) into a
+`UserError` that names it and says how to fix it.
+
+The old spelling `lit_rl/assets/tiny_qwen3`, relative to the repository root, keeps working
+from anywhere: when no such directory exists where the command runs, it means the built-in one.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from lit_rl.errors import UserError
+
+PREFIX = "lit-rl:"
+ASSETS = Path(__file__).resolve().parent / "assets"
+_OLD_PREFIX = "lit_rl/assets/"
+
+
+def builtin_models() -> list[str]:
+    """Every built-in model name, e.g. ``["lit-rl:tiny_qwen3"]``."""
+    return sorted(PREFIX + p.name for p in ASSETS.iterdir() if (p / "config.json").is_file())
+
+
+def resolve_model_name(name: str | os.PathLike) -> str:
+    """The directory of a built-in model (``lit-rl:NAME``), or ``name`` unchanged."""
+    name = os.fspath(name)
+    if name.startswith(PREFIX):
+        path = ASSETS / name[len(PREFIX):]
+        if not (path / "config.json").is_file():
+            raise UserError(f"unknown built-in model {name!r}; the built-in models are {builtin_models()}")
+        return str(path)
+    old = name.replace(os.sep, "/")
+    if old.startswith(_OLD_PREFIX) and not os.path.isdir(name) and (ASSETS / old[len(_OLD_PREFIX):].rstrip("/")).is_dir():
+        return str(ASSETS / old[len(_OLD_PREFIX):].rstrip("/"))
+    return name
+
+
+def not_loadable(name: str | os.PathLike, what: str, error: OSError) -> UserError:
+    """The UserError for transformers' OSError on loading `name` (the user's spelling)."""
+    name = os.fspath(name)
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    path = resolve_model_name(name)
+    if os.path.isdir(path):
+        return UserError(f"cannot load the {what} in directory {name!r}: {first}\n"
+                         f"fix: point to a complete HF checkpoint directory (config.json, tokenizer files, weights)")
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    where = "the hub is switched off (HF_HUB_OFFLINE=1)" if offline else "it could not be fetched from the hub"
+    return UserError(
+        f"cannot load the {what} {name!r}: it is not a local directory and {where} ({first})\n"
+        f"fix: check the name; give a local directory (a run's weights/step_N, or the built-in {PREFIX}tiny_qwen3); "
+        f"or download it once with network access (`hf download {name}`) and keep HF_HUB_OFFLINE=1"
+    )
+
+
+def load_tokenizer(name: str | os.PathLike, **kwargs):
+    """`AutoTokenizer.from_pretrained` for a hub name, a directory or a built-in name."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(resolve_model_name(name), **kwargs)
+    except OSError as e:
+        raise not_loadable(name, "tokenizer", e) from e

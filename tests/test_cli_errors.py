@@ -1,0 +1,130 @@
+"""A user's mistake prints one message and exits 1; LIT_RL_DEBUG=1 and internal errors keep the traceback.
+
+One case runs the real entry point in a subprocess (what a user sees on the terminal); the
+others call `lit_rl.cli.main` in this process, which is the same code minus the start-up time.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from helpers import reverse_rows, write_jsonl
+from lit_rl import cli
+from lit_rl.errors import UserError, user_message
+
+from test_cli import CONFIG, fit_args, run
+
+
+@pytest.fixture(autouse=True)
+def plain_argv(monkeypatch):
+    """In-process calls see sys.argv as `lit-rl` would, without pytest's own arguments."""
+    monkeypatch.setattr(sys, "argv", ["lit-rl"])
+
+
+def user_error(args, capsys) -> str:
+    """stderr of a command that must fail as a user error: exit 1, one message, no traceback."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 1, err[-3000:]
+    assert "Traceback" not in err and "LIT_RL_DEBUG=1" in err
+    return err
+
+
+def test_missing_data_file_as_the_user_sees_it(tmp_path):
+    args = fit_args(tmp_path, str(tmp_path / "no_such_file.jsonl"))
+    out = run(args)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "lit-rl fit: error: StaticDataModule: 1 problem(s)" in out.stderr
+    assert "no such file " in out.stderr and "no_such_file.jsonl" in out.stderr
+    debug = run(args, env={"LIT_RL_DEBUG": "1"})
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "no_such_file.jsonl" in debug.stderr
+
+
+def test_missing_column(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "wrong.jsonl", [{"question": "hi", "answer": "ho"}] * 8)
+    err = user_error(fit_args(tmp_path, data), capsys)
+    assert "'messages'" in err and "'prompt'" in err and "question" in err, err
+
+
+def test_hub_model_without_network(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(4))
+    err = user_error(["data", "preview", "--config", CONFIG, "--data.init_args.path", data,
+                      "--model.init_args.model", "no-such-org/no-such-model"], capsys)
+    assert "cannot load the tokenizer 'no-such-org/no-such-model': it is not a local directory and the hub is " \
+           "switched off (HF_HUB_OFFLINE=1)" in err, err
+    assert "fix:" in err and "lit-rl:tiny_qwen3" in err and "hf download no-such-org/no-such-model" in err
+
+
+def test_option_that_is_not_accepted(capsys):
+    with pytest.raises(SystemExit) as e:  # jsonargparse's own message: names the option, no traceback
+        cli.main(["fit", "--config", CONFIG, "--data.init_args.no_such_field", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "no_such_field" in err and "Traceback" not in err
+
+
+def test_option_value_that_a_class_rejects(capsys):
+    err = user_error(["fit", "--config", CONFIG, "--model.init_args.head_chunk_size", "0"], capsys)
+    assert "invalid config: model.head_chunk_size must be >= 1, got 0" in err
+
+
+def test_unknown_command_suggests_the_closest(capsys):
+    err = user_error(["fitt", "--config", CONFIG], capsys)
+    assert "unknown command 'fitt' (did you mean 'fit'?)" in err
+
+
+def test_debug_shows_the_traceback(tmp_path, monkeypatch):
+    monkeypatch.setenv("LIT_RL_DEBUG", "1")
+    with pytest.raises(UserError, match="unknown command"):
+        cli.main(["fitt"])
+
+
+def test_internal_errors_keep_their_traceback(monkeypatch):
+    def bug(argv):
+        raise KeyError("a bug in lit-rl")
+
+    monkeypatch.setattr("lit_rl.commands.report.main", bug)
+    with pytest.raises(KeyError, match="a bug in lit-rl"):
+        cli.main(["report", "runs/x"])
+
+
+def test_only_known_user_errors_are_classified():
+    assert user_message(UserError("fix me")) == "fix me"
+    assert user_message(ValueError("StaticDataModule: 1 problem(s): ...")).startswith("StaticDataModule")
+    assert user_message(ValueError("shapes do not match")) is None  # a bug somewhere: keep the traceback
+    assert user_message(OSError("disk full")) is None  # raised outside transformers/huggingface_hub
+    assert user_message(FileNotFoundError("x")) is None
+
+
+def test_raw_hub_oserror_from_other_code_is_classified_too():
+    # e.g. a user's environment calling transformers itself: the innermost frame is in transformers
+    try:
+        exec(compile("raise OSError(\"We couldn't connect to 'https://huggingface.co'\")", "/x/transformers/hub.py", "exec"))
+    except OSError as e:
+        message = user_message(e)
+    assert message.startswith("cannot load a model or tokenizer: We couldn't connect") and "fix:" in message
+
+
+def test_a_bug_inside_a_configured_class_keeps_its_traceback(monkeypatch):
+    from lightning.pytorch.cli import LightningCLI
+
+    def broken(self):  # what jsonargparse raises when a class's __init__ has a bug
+        try:
+            raise TypeError("unsupported operand")
+        except TypeError as e:
+            raise ValueError("Does not validate against any of the Union subtypes") from e
+
+    monkeypatch.setattr(LightningCLI, "instantiate_classes", broken)
+    with pytest.raises(ValueError, match="Union subtypes"):
+        cli.main(["fit", "--config", CONFIG])
+
+
+def test_preview_option_that_is_not_accepted(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["data", "preview", "--config", CONFIG, "--bogus", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "unrecognized arguments: --bogus" in err and "dotted" in err
+    assert len(err.splitlines()) <= 3 and "Traceback" not in err, err

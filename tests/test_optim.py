@@ -1,0 +1,82 @@
+"""LRSchedule: transformers' schedules, as long as the trainer's run unless told otherwise."""
+
+from __future__ import annotations
+
+import logging
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+from lit_rl.errors import ConfigError
+from lit_rl.modules import SFT
+from lit_rl.optim import LRSchedule, WarmupCosineLR, build_lr_scheduler
+
+
+def optimizer(lr: float = 1.0) -> torch.optim.Optimizer:
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+
+
+def lrs(scheduler, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        out.append(scheduler.optimizer.param_groups[0]["lr"])
+        scheduler.optimizer.step()
+        scheduler.step()
+    return out
+
+
+def module_schedule(max_steps: int, **schedule_args):
+    """What `configure_optimizers` builds for a run of `max_steps` steps, from a config-style factory."""
+    module = SFT(optimizer=lambda p: torch.optim.SGD(p, lr=1.0), lr_scheduler=lambda o: LRSchedule(o, **schedule_args))
+    module.model = torch.nn.Linear(2, 2)
+    module._trainer = SimpleNamespace(estimated_stepping_batches=max_steps)
+    return module.configure_optimizers()["lr_scheduler"]["scheduler"]
+
+
+def test_length_comes_from_the_trainer():
+    kwargs = {"name": "cosine_with_min_lr", "warmup_steps": 2, "scheduler_kwargs": {"min_lr_rate": 0.1}}
+    for max_steps in (10, 40):
+        values = lrs(module_schedule(max_steps, **kwargs), max_steps + 1)
+        assert values[:3] == pytest.approx([0.0, 0.5, 1.0])
+        assert values[max_steps] == pytest.approx(0.1)  # the floor exactly at the trainer's last step
+        assert values[max_steps - 1] > 0.1
+
+
+def test_same_numbers_as_transformers():
+    ours = LRSchedule(optimizer(), "cosine_with_min_lr", warmup_steps=3, total_steps=20, scheduler_kwargs={"min_lr_rate": 0.05})
+    theirs = get_cosine_with_min_lr_schedule_with_warmup(optimizer(), 3, 20, min_lr_rate=0.05)
+    assert lrs(ours, 25) == pytest.approx(lrs(theirs, 25))
+
+
+def test_given_total_steps_wins_but_a_mismatch_is_warned_about(caplog):
+    with caplog.at_level(logging.WARNING, logger="lit_rl.optim"):
+        scheduler = build_lr_scheduler(lambda o: LRSchedule(o, "linear", total_steps=10), optimizer(), total_steps=300)
+    assert scheduler.total_steps == 10 and lrs(scheduler, 11)[10] == 0.0
+    assert "total_steps=10 but the trainer runs 300" in caplog.text
+
+
+def test_every_problem_in_one_clear_error():
+    with pytest.raises(ConfigError) as e:  # a UserError: `lit-rl fit` prints it without a traceback
+        LRSchedule(optimizer(), "cosine_typo", warmup_steps=-1)
+    message = str(e.value)
+    assert "cosine_typo" in message and "warmup_steps must be >= 0" in message and "total_steps is unknown" in message
+    with pytest.raises(ValueError, match="needs a monitored metric"):
+        LRSchedule(optimizer(), "reduce_lr_on_plateau", total_steps=10)
+
+
+def test_old_warmup_cosine_configs_still_run(caplog):
+    with caplog.at_level(logging.WARNING, logger="lit_rl.optim"):
+        scheduler = build_lr_scheduler(lambda o: WarmupCosineLR(o, warmup_steps=0, min_lr_ratio=0.2), optimizer(), 8)
+    assert "deprecated" in caplog.text and "LRSchedule" in caplog.text
+    values = lrs(scheduler, 9)
+    assert values[0] == 1.0 and values[8] == pytest.approx(0.2)
+    assert values[4] == pytest.approx(0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi * 4 / 8)))
+
+
+def test_a_run_shorter_than_the_warmup_just_warms_up(caplog):
+    with caplog.at_level(logging.WARNING, logger="lit_rl.optim"):
+        values = lrs(module_schedule(3, name="cosine", warmup_steps=10), 3)
+    assert values == pytest.approx([0.0, 0.1, 0.2]) and "ends within the warm-up" in caplog.text
