@@ -2,7 +2,8 @@
 
 `weights/step_<N>/` is a complete HF checkpoint, written under a temporary name,
 flushed, renamed, and only then marked by an empty `STABLE` file. Readers ignore
-step directories without `STABLE`.
+step directories without `STABLE`. `sync/step_<N>/` has the same layout for the
+weights RL training sends to its inference server after each step (see `sync_dir`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ def weights_dir(root: str | Path) -> Path:
 
 def step_dir(root: str | Path, step: int) -> Path:
     return weights_dir(root) / f"step_{step}"
+
+
+def sync_dir(root: str | Path) -> Path:
+    """Weight-sync exports (`sync/step_<N>`): written for the policy's inference server after
+    every optimizer step, not flushed to disk, a few kept; not checkpoints for evals or users."""
+    return Path(root) / "sync"
 
 
 def stable_steps(root: str | Path) -> dict[int, Path]:

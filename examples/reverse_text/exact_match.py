@@ -1,9 +1,11 @@
-"""Held-out exact match of a reverse-text model: greedy decoding with transformers.
+"""Held-out exact match and mean reward of a reverse-text model: greedy decoding with transformers.
 
     python examples/reverse_text/exact_match.py --model runs/reverse_text_sft/weights/step_600
 
 `--model` may be a trained step directory or, with `--random-init`, the untrained
-built-in config (the "before" number). This is an offline check for the demo; online
+built-in config (the "before" number). The reward is the one GRPO trains on
+(`ReverseTextEnv.reward`: longest common subsequence with the reversed text over the
+longer length, in [0, 1]). This is an offline check for the demo; online
 evals during training go through an inference server instead.
 """
 
@@ -16,23 +18,27 @@ import torch
 from transformers import AutoTokenizer
 
 from lit_rl.modules.model_loading import load_causal_lm
+from lit_rl.rollouts.envs import lcs_ratio
 
 
 @torch.no_grad()
-def exact_match(model_dir: str, test_file: str, *, random_init: bool = False, batch_size: int = 50, seed: int = 0) -> float:
+def score(model_dir: str, test_file: str, *, random_init: bool = False, batch_size: int = 50, seed: int = 0) -> dict:
+    """{"exact_match": fraction, "reward": mean LCS ratio} over the held-out chats."""
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
     model = load_causal_lm(model_dir, random_init=random_init, seed=seed).eval()
     rows = [json.loads(line) for line in open(test_file)]
-    hits = 0
+    hits, reward = 0, 0.0
     for i in range(0, len(rows), batch_size):
         chunk = rows[i : i + batch_size]
         prompts = [tok.apply_chat_template(r["messages"][:1], tokenize=False, add_generation_prompt=True) for r in chunk]
         enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         out = model.generate(**enc, max_new_tokens=40, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
         for row, ids in zip(chunk, out[:, enc["input_ids"].shape[1] :]):
-            hits += tok.decode(ids, skip_special_tokens=True).strip() == row["messages"][1]["content"]
-    return hits / len(rows)
+            text = tok.decode(ids, skip_special_tokens=True).strip()
+            hits += text == row["messages"][1]["content"]
+            reward += lcs_ratio(text, row["messages"][0]["content"][::-1])
+    return {"exact_match": hits / len(rows), "reward": reward / len(rows)}
 
 
 def main() -> None:
@@ -41,8 +47,8 @@ def main() -> None:
     parser.add_argument("--test", default="examples/reverse_text/data/test.jsonl")
     parser.add_argument("--random-init", action="store_true", help="score the untrained model built from the config")
     args = parser.parse_args()
-    score = exact_match(args.model, args.test, random_init=args.random_init)
-    print(json.dumps({"model": args.model, "random_init": args.random_init, "exact_match": score}))
+    scores = score(args.model, args.test, random_init=args.random_init)
+    print(json.dumps({"model": args.model, "random_init": args.random_init, **scores}))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,18 @@ Every `every_n_steps` optimizer steps and after the last step, the full model is
 written as safetensors with its config, tokenizer, chat template and generation
 config, following the STABLE protocol of the run directory (lit_rl/run_dir.py), so
 `from_pretrained`, vLLM and the evaluator can read it while training goes on.
+
+HFExport is the one owner of exports and their retention. Other callbacks do not
+patch it or write checkpoints themselves; they register as consumers:
+
+- `register(consumer)`: the consumer's `export_due(step)` says that a checkpoint must
+  exist at that step (online evals), its `needs(path)` that retention must spare a
+  step directory for now (not yet evaluated);
+- `ensure(trainer, module, step)`: a checkpoint of this step, exported if not yet;
+- `sync_export(trainer, module, step)`: the weights of this step for the policy's
+  inference server (RL weight sync), in `sync/step_N`: no fsync (nothing is lost if
+  the machine dies, training re-exports), `keep_sync` newest kept; a checkpoint of
+  the same step is reused instead of written twice.
 """
 
 from __future__ import annotations
@@ -17,11 +29,11 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
-from transformers import AutoTokenizer
 
 from lit_rl.callbacks.step_files import StepFiles, learn_step_files
+from lit_rl.model_names import load_tokenizer
 from lit_rl.modules.model_loading import resolve_dtype
-from lit_rl.run_dir import STABLE, in_use, stable_steps, step_dir, unfinished
+from lit_rl.run_dir import STABLE, in_use, stable_steps, step_dir, step_of, sync_dir, unfinished
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +50,24 @@ class ExportError(OSError):
 
 
 class HFExport(L.Callback):
-    def __init__(self, every_n_steps: int | None = None, keep_last: int | None = None, dtype: str | None = None):
+    def __init__(
+        self, every_n_steps: int | None = None, keep_last: int | None = None, dtype: str | None = None, keep_sync: int = 2
+    ):
         """
         Args:
             every_n_steps: export every N optimizer steps; None exports only after the last step.
             keep_last: keep this many newest step directories; None keeps all.
             dtype: dtype of the saved weights (float32, bfloat16, float16); default: training dtype.
+            keep_sync: weight-sync exports kept in ``sync/`` (RL), the newest; at least 1.
         """
+        if keep_sync < 1:
+            raise ValueError(f"HFExport.keep_sync must be >= 1, got {keep_sync}")
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"HFExport.every_n_steps must be >= 1 or None, got {every_n_steps}")
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"HFExport.keep_last must be >= 1 or None, got {keep_last}")
-        self.every_n_steps, self.keep_last = every_n_steps, keep_last
+        self.every_n_steps, self.keep_last, self.keep_sync = every_n_steps, keep_last, keep_sync
+        self._consumers: list = []
         self.dtype = resolve_dtype(dtype) if dtype else None
         self.last_exported: int | None = None
         self._loaded_tokenizer = None
@@ -59,9 +77,7 @@ class HFExport(L.Callback):
     def _tokenizer(self, pl_module):
         """Loaded once per run: every export writes the same tokenizer files."""
         if self._loaded_tokenizer is None:
-            self._loaded_tokenizer = AutoTokenizer.from_pretrained(
-                pl_module.tokenizer_name, trust_remote_code=pl_module.trust_remote_code
-            )
+            self._loaded_tokenizer = load_tokenizer(pl_module.tokenizer_name, trust_remote_code=pl_module.trust_remote_code)
         return self._loaded_tokenizer
 
     # ---- a run's start: the weights/ directory must describe this run only ------------------------
@@ -94,15 +110,29 @@ class HFExport(L.Callback):
             for path in unfinished(trainer.default_root_dir):
                 shutil.rmtree(path, ignore_errors=True)
 
+    # ---- consumers -------------------------------------------------------------------------------
+    def register(self, consumer) -> None:
+        """A consumer with `export_due(step) -> bool` and `needs(path) -> bool` (see module docstring)."""
+        if consumer not in self._consumers:
+            self._consumers.append(consumer)
+
     # ---- when ----------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        periodic = bool(self.every_n_steps) and step % self.every_n_steps == 0
+        return periodic or any(c.export_due(step) for c in self._consumers)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = trainer.global_step
-        if self.every_n_steps and step % self.every_n_steps == 0 and step != self.last_exported:
-            self.export(trainer, pl_module, step)
+        if self.due(trainer.global_step):
+            self.ensure(trainer, pl_module, trainer.global_step)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if trainer.global_step != self.last_exported:
-            self.export(trainer, pl_module, trainer.global_step)
+        self.ensure(trainer, pl_module, trainer.global_step)
+
+    def ensure(self, trainer, pl_module, step: int) -> Path:
+        """A checkpoint of `step` (the current weights), exported unless it already was. Collective."""
+        if self.last_exported == step:
+            return step_dir(trainer.default_root_dir, step)
+        return self.export(trainer, pl_module, step)
 
     # ---- what ----------------------------------------------------------------------------------
     def full_state_dict(self, trainer, pl_module) -> dict[str, torch.Tensor]:
@@ -129,7 +159,24 @@ class HFExport(L.Callback):
         self.last_exported = step
         return final
 
-    def _write(self, pl_module, state: dict[str, torch.Tensor], final: Path) -> None:
+    def sync_export(self, trainer, pl_module, step: int) -> Path:
+        """The current weights (of `step`) for the inference server: this step's checkpoint if one
+        was written, else `sync/step_N` without fsync; the newest `keep_sync` are kept. Collective."""
+        root = Path(trainer.default_root_dir)
+        if self.last_exported == step and (step_dir(root, step) / STABLE).is_file():
+            return step_dir(root, step)
+        state = self.full_state_dict(trainer, pl_module)
+        final = sync_dir(root) / f"step_{step}"
+        if trainer.is_global_zero:
+            self._write(pl_module, state, final, durable=False)
+            synced = sorted((p for p in sync_dir(root).iterdir() if step_of(p) is not None), key=step_of)
+            for path in synced[: max(0, len(synced) - self.keep_sync)]:
+                if path != final and not self.in_use(path):
+                    shutil.rmtree(path, ignore_errors=True)
+        trainer.strategy.barrier("hf_sync_export")
+        return final
+
+    def _write(self, pl_module, state: dict[str, torch.Tensor], final: Path, durable: bool = True) -> None:
         tmp = final.with_name(f".{final.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         try:
@@ -138,14 +185,16 @@ class HFExport(L.Callback):
                 self._step_files.write(state, tmp)
             else:
                 self._write_general(pl_module, state, tmp)
-            _fsync_tree(tmp)
+            if durable:
+                _fsync_tree(tmp)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             (final / STABLE).touch()
         except Exception as e:  # safetensors reports I/O failures as its own error type
             shutil.rmtree(tmp, ignore_errors=True)
             raise ExportError(f"HFExport: could not write {final}: {type(e).__name__}: {e}") from e
-        rank_zero_info(f"exported {final}")
+        if durable:
+            rank_zero_info(f"exported {final}")
 
     def _write_general(self, pl_module, state: dict[str, torch.Tensor], tmp: Path) -> None:
         """save_pretrained + tokenizer; the first export of a run also learns the fast replay."""
@@ -159,9 +208,9 @@ class HFExport(L.Callback):
             self._step_files = learn_step_files(tmp, state) or False
 
     def in_use(self, path: Path) -> bool:
-        """Whether a consumer still needs this step directory; retention never deletes it then.
-        Default: a lease file is present (`lit_rl.run_dir.lease`). Override to add rules."""
-        return in_use(path)
+        """Whether a consumer still needs this step directory; retention never deletes it then:
+        a lease file is present (`lit_rl.run_dir.lease`) or a registered consumer `needs` it."""
+        return in_use(path) or any(c.needs(Path(path)) for c in self._consumers)
 
     def _apply_retention(self, root: Path) -> None:
         if self.keep_last is None:

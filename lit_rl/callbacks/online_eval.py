@@ -2,8 +2,9 @@
 
 On rank 0 it starts one evaluator process (`lit-rl evaluate --follow`) with its own
 inference server (or a given `base_url`). The trainer's only part is to make sure a
-`weights/step_N` exists at every step where some eval is due (it asks HFExport) and at
-the last step; the evaluator picks them up from the filesystem. At the end of fit the
+`weights/step_N` exists at every step where some eval is due and at the last step: it
+registers with HFExport as a consumer (`export_due`, `needs`), and the evaluator picks
+the checkpoints up from the filesystem. At the end of fit the
 trainer waits (up to `final_timeout`) for the final eval; on a crash, Ctrl-C or SIGTERM
 it stops the evaluator and its server.
 
@@ -105,12 +106,16 @@ class OnlineEval(L.Callback):
     def due(self, step: int, final: int | None = None) -> bool:
         return bool(self.plan.due(step, self.names, final))
 
-    def needed(self, path: Path, root: Path) -> bool:
+    # ---- what HFExport asks its consumers ---------------------------------------------------------------
+    def export_due(self, step: int) -> bool:
+        return self.due(step)
+
+    def needs(self, path: Path) -> bool:
         """A due step the evaluator has not handled yet is needed: retention must spare it."""
         step = step_of(path)
-        if step is None or not self.due(step):
+        if step is None or path.parent.name != "weights" or not self.due(step):
             return False
-        done = DoneLog(root)
+        done = DoneLog(path.parent.parent)  # <root>/weights/step_N
         return not all(done.handled(step, n) for n in self.plan.due(step, self.names, None))
 
     # ---- start ----------------------------------------------------------------------------------------
@@ -126,8 +131,7 @@ class OnlineEval(L.Callback):
         self.export = exports[0]
         root = Path(trainer.default_root_dir)
         self.export.prepare_run(trainer)
-        original_in_use = self.export.in_use
-        self.export.in_use = lambda path: original_in_use(path) or self.needed(Path(path), root)
+        self.export.register(self)
         if trainer.is_global_zero:
             if trainer.ckpt_path is None:
                 shutil.rmtree(evals_dir(root), ignore_errors=True)  # a fresh run: old evals describe other weights
@@ -137,7 +141,7 @@ class OnlineEval(L.Callback):
             self.plan.save(root)
         trainer.strategy.barrier("online_eval_plan")
         if trainer.global_step == 0 and self.plan.eval_base:
-            self.export.export(trainer, pl_module, 0)  # the base model, as the evaluator will serve it
+            self.export.ensure(trainer, pl_module, 0)  # the base model, as the evaluator will serve it
         if trainer.is_global_zero:
             self._start_evaluator(trainer, root)
 
@@ -171,16 +175,10 @@ class OnlineEval(L.Callback):
                                          env=env, start_new_session=True)
         rank_zero_info(f"OnlineEval: evaluator started (pid {self.proc.pid}), log: {log_path}")
 
-    # ---- during and after training ---------------------------------------------------------------------
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = trainer.global_step
-        if self.due(step) and self.export.last_exported != step:
-            self.export.export(trainer, pl_module, step)
-
+    # ---- after training -----------------------------------------------------------------------------------
     def on_train_end(self, trainer, pl_module) -> None:
         step = trainer.global_step
-        if self.export.last_exported != step:
-            self.export.export(trainer, pl_module, step)
+        self.export.ensure(trainer, pl_module, step)  # the final step, whatever the callback order
         if not trainer.is_global_zero or self.proc is None:
             return
         write_final_step(trainer.default_root_dir, step)

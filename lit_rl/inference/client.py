@@ -14,8 +14,8 @@ reward functions only. Nothing from an answer is executed or unpickled: JSON in,
 Weight reloads use vLLM's dev-mode `/collective_rpc reload_weights` (stock vLLM, no patches),
 then reset the prefix cache (its KV was computed with the old weights) and record the policy
 version on the server (`/update_weight_version`, read back by `served_version()`). Only
-`<allowed_root>/weights/step_<N>` directories marked STABLE are sent; the path is resolved
-(symlinks followed) before the check.
+`<allowed_root>/weights/step_<N>` or `<allowed_root>/sync/step_<N>` directories marked STABLE
+are sent; the path is resolved (symlinks followed) before the check.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from typing import Any
 
 import openai
 
-from lit_rl.run_dir import STABLE, lease, step_of, weights_dir
+from lit_rl.model_names import load_tokenizer
+from lit_rl.run_dir import STABLE, lease, step_of, sync_dir, weights_dir
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +75,13 @@ def resolve_reload_path(path: str | Path, allowed_root: str | Path | None) -> tu
     """The resolved step directory and its step N, or ReloadRefused saying why not."""
     if allowed_root is None:
         raise ReloadRefused(f"reload of {path} refused: no allowed_root (the run directory) was given to the client")
-    allowed = weights_dir(Path(allowed_root).expanduser().resolve())
+    root = Path(allowed_root).expanduser().resolve()
+    allowed = (weights_dir(root), sync_dir(root))
     real = Path(path).expanduser().resolve()
-    if real.parent != allowed:
-        raise ReloadRefused(f"reload of {path} refused: it resolves to {real}, not a directory directly inside {allowed}")
+    if real.parent not in allowed:
+        raise ReloadRefused(
+            f"reload of {path} refused: it resolves to {real}, not a directory directly inside {allowed[0]} or {allowed[1]}"
+        )
     step = step_of(real)
     if step is None:
         raise ReloadRefused(f"reload of {path} refused: {real.name!r} is not named step_<N>")
@@ -276,15 +280,13 @@ class InferenceClient:
 
     async def tokenizer(self):
         if self._tokenizer is None or isinstance(self._tokenizer, (str, Path)):
-            from transformers import AutoTokenizer
-
             if self._tokenizer is None:
                 await self._model_name()
                 root = self._served_root or self.model
                 if not Path(root).is_dir():
                     raise ValueError(f"chat needs a tokenizer: the served model {root!r} is not a local directory; pass tokenizer=")
                 self._tokenizer = root
-            self._tokenizer = AutoTokenizer.from_pretrained(str(self._tokenizer))
+            self._tokenizer = load_tokenizer(self._tokenizer)
         return self._tokenizer
 
     async def _call(self, what: str, request):

@@ -9,7 +9,8 @@ Why manual optimization: a batch from a lit-rl datamodule is one whole optimizer
 step, already split into micro-batches. Knowing every micro-batch up front lets the
 loss be divided by the trained tokens of the whole step (summed over ranks), so the
 loss and gradient do not depend on the micro-batch split, the gradient-accumulation
-count or the number of ranks. Subclasses implement `micro_batch_loss_sum` only.
+count or the number of ranks. Subclasses implement `micro_batch_loss_sum` (and
+`loss_normaliser` when theirs is not the trained tokens: sequences for GRPO, say).
 
 Why the head is not the model's own: with a real vocabulary (Qwen3: 151,936 rows) the
 logits of every position are the largest tensor of the step, yet losses need them only
@@ -36,6 +37,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lit_rl.chunked_head import DEFAULT_CHUNK_SIZE, selected_cross_entropy_sum, selected_token_logprobs
 from lit_rl.losses import masked_cross_entropy_sum, shifted_token_logprobs, token_entropy
 from lit_rl.modules.model_loading import load_causal_lm
+from lit_rl.optim import build_lr_scheduler, trainer_total_steps
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ log = logging.getLogger(__name__)
 class CausalLMModule(L.LightningModule):
     def __init__(
         self,
-        model: str = "lit_rl/assets/tiny_qwen3",
+        model: str = "lit-rl:tiny_qwen3",
         random_init: bool = False,
         dtype: str = "float32",
         gradient_checkpointing: bool = False,
@@ -58,7 +60,8 @@ class CausalLMModule(L.LightningModule):
     ):
         """
         Args:
-            model: HF hub name (e.g. ``Qwen/Qwen3-0.6B``) or local directory of a causal LM.
+            model: HF hub name (e.g. ``Qwen/Qwen3-0.6B``), local directory of a causal LM, or a
+                built-in model (``lit-rl:tiny_qwen3``, found from any directory).
             random_init: build the architecture from the config with fresh random weights
                 (the offline demo); otherwise load the pretrained weights.
             dtype: dtype the weights are loaded in: float32, bfloat16 or float16. For mixed
@@ -68,7 +71,8 @@ class CausalLMModule(L.LightningModule):
             attn_implementation: passed to transformers (``sdpa``, ``eager``, ``flash_attention_2``).
             tokenizer: tokenizer name or path when it differs from ``model``.
             optimizer: called with the parameters; e.g. class_path torch.optim.AdamW.
-            lr_scheduler: called with the optimizer; stepped once per optimizer step.
+            lr_scheduler: called with the optimizer; stepped once per optimizer step. e.g. class_path
+                lit_rl.optim.LRSchedule, whose length defaults to the trainer's optimizer steps.
             max_grad_norm: clip the global gradient norm to this; None disables clipping.
             torch_compile: compile the model's forward with ``torch.compile`` (dynamic shapes).
                 About 1.2x faster steps for small models on CPU (docs/benchmarks.md), after a
@@ -213,12 +217,24 @@ class CausalLMModule(L.LightningModule):
         optimizer = self.optimizer_factory(self.parameters())
         if self.scheduler_factory is None:
             return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"}}
+        # The schedule's length defaults to the trainer's optimizer steps (lit_rl/optim.py says why this way).
+        scheduler = build_lr_scheduler(self.scheduler_factory, optimizer, trainer_total_steps(self._trainer))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ---- the algorithm's part ------------------------------------------------------------
-    def micro_batch_loss_sum(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Sum of the per-token loss over the micro-batch's target tokens. Subclasses define it."""
+    def micro_batch_loss_sum(
+        self, micro_batch: dict[str, torch.Tensor]
+    ) -> torch.Tensor | tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """The micro-batch's part of the step's loss before normalisation (a sum over its tokens or
+        sequences), which `training_step` divides by the `loss_normaliser` of the whole step.
+        Optionally also metrics as ``{name: (sum, count)}``, summed over micro-batches and ranks
+        and logged as ``train/<name> = sum / count``. Subclasses define it."""
         raise NotImplementedError
+
+    def loss_normaliser(self, micro_batch: dict[str, torch.Tensor]) -> float:
+        """The micro-batch's part of what the step's loss sum is divided by; summed over the step's
+        micro-batches and ranks before any backward. Default: its trained tokens (SFT)."""
+        return float(micro_batch["loss_mask"][:, 1:].sum())
 
     # ---- one optimizer step per batch ----------------------------------------------------
     def _sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
@@ -239,30 +255,43 @@ class CausalLMModule(L.LightningModule):
     def _empty_micro_batch(self) -> dict[str, torch.Tensor]:
         """Stands in when every row of this rank's step was skipped, so gradient sync still lines up."""
         ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
-        return {"input_ids": ids, "position_ids": torch.arange(2, device=self.device)[None], "loss_mask": ids.bool()}
+        zeros = torch.zeros((1, 2), device=self.device)
+        return {"input_ids": ids, "position_ids": torch.arange(2, device=self.device)[None], "loss_mask": ids.bool(),
+                "sequence_ids": ids - 1, "logprobs": zeros, "advantages": zeros, "teacher_logprobs": zeros}
+
+    @staticmethod
+    def _split_loss_output(out) -> tuple[torch.Tensor, dict]:
+        return out if isinstance(out, tuple) else (out, {})
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         start = self._last_step_end or time.perf_counter()
+        compute_start = time.perf_counter()
         optimizer = self.optimizers()
         micro_batches = batch["micro_batches"] or [self._empty_micro_batch()]
         local_targets = sum(int(mb["loss_mask"][:, 1:].sum()) for mb in micro_batches)
-        step_targets = self._sum_over_ranks(torch.tensor(float(local_targets), device=self.device))
+        local_normaliser = sum(self.loss_normaliser(mb) for mb in micro_batches)
+        counts = self._sum_over_ranks(torch.tensor([float(local_targets), float(local_normaliser)], device=self.device))
+        step_targets, normaliser = counts[0], counts[1].clamp(min=1.0)
         # DDP/FSDP average gradients over ranks; multiplying by world_size turns that into a sum.
-        scale = self.trainer.world_size / step_targets.clamp(min=1.0)
+        scale = self.trainer.world_size / normaliser
         optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
+        metric_sums: dict[str, torch.Tensor] = {}
         for i, mb in enumerate(micro_batches):
             with self._skip_grad_sync(i < len(micro_batches) - 1):
-                mb_loss_sum = self.micro_batch_loss_sum(mb)
+                mb_loss_sum, mb_metrics = self._split_loss_output(self.micro_batch_loss_sum(mb))
                 self.manual_backward(mb_loss_sum * scale)
             loss_sum += mb_loss_sum.detach()
+            for name, (value, count) in mb_metrics.items():
+                pair = torch.stack([value.detach().float(), torch.as_tensor(count, dtype=torch.float32, device=self.device)])
+                metric_sums[name] = metric_sums[name] + pair if name in metric_sums else pair
         grad_norm = self._clip_and_measure_grad_norm()
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
-        loss = self._sum_over_ranks(loss_sum) / step_targets.clamp(min=1.0)
+        loss = self._sum_over_ranks(loss_sum) / normaliser
         self._last_step_end = time.perf_counter()
         metrics = {
             "train/loss": loss,
@@ -271,16 +300,23 @@ class CausalLMModule(L.LightningModule):
             "train/lr": lr,
             "train/grad_norm": grad_norm,
             "train/peak_memory_gb": peak_memory_gb(self.device),
+            "train/compute_s": self._last_step_end - compute_start,  # forward, backward and optimizer
         }
+        if metric_sums:  # one collective for all of them; every rank returns the same names
+            names = sorted(metric_sums)
+            totals = self._sum_over_ranks(torch.stack([metric_sums[n] for n in names]))  # [M, 2]
+            metrics.update({f"train/{n}": totals[i, 0] / totals[i, 1].clamp(min=1.0) for i, n in enumerate(names)})
         metrics.update({f"train/{k}": v for k, v in batch.get("stats", {}).items()})
+        metrics.update(batch.get("metrics", {}))  # full names, e.g. rollout/... from a rollout data module
         self.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, batch_size=1)
         self.log("loss", loss, prog_bar=True, logger=False, batch_size=1)
         return loss
 
     # ---- validation: the same loss over a held-out split -------------------------------------
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        loss_sum = sum((self.micro_batch_loss_sum(mb).detach() for mb in batch["micro_batches"]), torch.zeros((), device=self.device))
-        targets = sum(int(mb["loss_mask"][:, 1:].sum()) for mb in batch["micro_batches"])
+        outs = (self._split_loss_output(self.micro_batch_loss_sum(mb))[0] for mb in batch["micro_batches"])
+        loss_sum = sum((out.detach() for out in outs), torch.zeros((), device=self.device))
+        targets = sum(self.loss_normaliser(mb) for mb in batch["micro_batches"])
         self._val_sums.append(torch.stack([loss_sum.float().cpu(), torch.tensor(float(targets))]))
 
     def on_validation_epoch_end(self) -> None:

@@ -1,0 +1,337 @@
+"""RolloutDataModule: training batches from live rollouts against the policy's vLLM server.
+
+Each batch is one optimizer step: `batch_size` samples (`batch_size / group_size` tasks of
+the environment, `group_size` completions each) from the `RolloutBuffer`, with group-relative
+advantages, packed by the same `build_step` as static data. The buffer runs on its own
+event loop thread (`ThreadedRolloutBuffer`); the trainer side only asks for the next batch.
+
+Why batches are drawn inside the step: Lightning fetches one batch ahead of the step it
+trains. Drawn there, batch k would be requested while the weights of step k-1 are still
+training, which with `max_staleness=0` either deadlocks (the scheduler may not start
+batch k's rollouts before version k) or trains rollouts one version too old. So the
+DataLoader yields only a step number, and `on_before_batch_transfer` (called right before
+each `training_step`, after the previous step's weight sync) swaps in the real batch:
+batch k is drawn only once version k is being served.
+
+The server starts lazily: `WeightSync` (the callback that exports the weights after each
+step and reloads the server) calls `start(weights_path, version)` at the start of training,
+which starts a managed vLLM server on those weights (or, with `base_url`, reloads an
+existing one) and then the rollouts. Under several ranks rank 0 runs the server and the
+buffer; every rank gets an equal share of each batch (a broadcast inside the step).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from lit_rl.data.datamodules import PACKING_MODES
+from lit_rl.data.step_builder import build_step
+from lit_rl.rollouts.buffer import RolloutBuffer, sample_from_dict, sample_to_dict
+from lit_rl.rollouts.context import TrainSampling
+from lit_rl.rollouts.envs import Environment
+from lit_rl.rollouts.filters import GibberishFilter, RepetitionFilter
+from lit_rl.rollouts.threaded import ThreadedRolloutBuffer
+from lit_rl.run_dir import lease
+
+log = logging.getLogger(__name__)
+
+FILTERS = ("gibberish", "repetition")
+
+
+class RolloutDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        env: Environment,
+        batch_size: int = 32,
+        group_size: int = 8,
+        max_concurrency: int | None = None,
+        max_staleness: int | None = 1,
+        drop_stale: bool = False,
+        max_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int | None = None,
+        scale: str = "group",
+        skip_zero_advantage: bool = False,
+        enforce_filters: list[str] | None = None,
+        num_retries: int = 2,
+        on_failure: str = "reject",
+        requests_per_minute: float | None = None,
+        seed: int = 0,
+        micro_batch_tokens: int = 8192,
+        packing: str = "padded",
+        pack_length: int | None = None,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        server: dict | None = None,
+        batch_timeout: float = 900.0,
+        progress_every: int = 10,
+        tokenizer: str | None = None,
+        chat_template_kwargs: dict | None = None,
+    ):
+        """
+        Args:
+            env: the environment (tasks, reward, and optionally its own multi-turn `rollout`),
+                e.g. ``lit_rl.rollouts.ReverseTextEnv``.
+            batch_size: samples per optimizer step (over all ranks), a multiple of group_size.
+            group_size: completions per task; advantages are relative to the task's group.
+            max_concurrency: samples in flight at most; None: 2 x batch_size.
+            max_staleness: optimizer steps a sample's policy may lag the step that trains it;
+                0 is synchronous on-policy RL, None unbounded.
+            drop_stale: drop groups that finish too old (and spawn replacements) instead of
+                throttling spawning so that none ever does.
+            max_tokens: completion length limit of a rollout.
+            temperature, top_p, top_k: training sampling (no seed: a fresh draw every request).
+            scale: advantage scale: ``group`` (divide by the group's reward std), ``batch``
+                (the batch's std) or ``none`` (reward minus group mean only).
+            skip_zero_advantage: reject groups whose rewards are all equal (nothing to learn).
+            enforce_filters: rollout filters whose hits get a zero loss (``gibberish``,
+                ``repetition``); both are always measured.
+            num_retries: retries of a failed rollout before it is rejected (or raised).
+            on_failure: ``reject`` or ``raise`` once a rollout's retries are spent.
+            requests_per_minute: pace rollout starts for rate-limited endpoints.
+            seed: seed of the task order.
+            micro_batch_tokens, packing, pack_length: the layout of a step, as in
+                `StaticDataModule`.
+            base_url: an existing OpenAI-compatible vLLM server of the policy (started with
+                ``VLLM_SERVER_DEV_MODE=1``, able to read this run directory); None: lit-rl
+                starts one on the trainer's weights.
+            api_key: that server's API key.
+            server: options of the managed server (`lit_rl.inference.server.VLLMServer`),
+                e.g. ``{dtype: float32, max_model_len: 1024, enforce_eager: true}``.
+            batch_timeout: seconds a step may wait for its batch before failing with the
+                rollouts' state.
+            progress_every: print a rollout progress line every N steps (0: never).
+            tokenizer: tokenizer name or path; defaults to the model's.
+            chat_template_kwargs: extra variables for the chat template.
+        """
+        super().__init__()
+        self.env = env
+        self.batch_size, self.group_size = batch_size, group_size
+        self.max_concurrency = max_concurrency if max_concurrency is not None else 2 * batch_size
+        self.max_staleness, self.drop_stale = max_staleness, drop_stale
+        self.max_tokens, self.temperature, self.top_p, self.top_k = max_tokens, temperature, top_p, top_k
+        self.scale, self.skip_zero_advantage = scale, skip_zero_advantage
+        self.enforce_filters = list(enforce_filters or [])
+        self.num_retries, self.on_failure, self.requests_per_minute = num_retries, on_failure, requests_per_minute
+        self.seed = seed
+        self.micro_batch_tokens, self.packing, self.pack_length = micro_batch_tokens, packing, pack_length
+        self.base_url, self.api_key, self.server_options = base_url, api_key, dict(server or {})
+        self.batch_timeout, self.progress_every = batch_timeout, progress_every
+        self.tokenizer_name, self.chat_template_kwargs = tokenizer, chat_template_kwargs
+        self.rollouts: ThreadedRolloutBuffer | None = None
+        self.endpoint = None  # lit_rl.inference.server.Endpoint: the managed server or base_url
+        self._server_lease = None
+        self._saved_state: dict | None = None
+        self._last_fetch = 0.0
+
+    # ---- set-up and validation ---------------------------------------------------------------
+    def option_problems(self) -> list[str]:
+        problems = []
+        if self.group_size < 1 or self.batch_size < 1 or self.batch_size % self.group_size:
+            problems.append(f"data.batch_size ({self.batch_size}) must be a positive multiple of data.group_size "
+                            f"({self.group_size})")
+        if self.packing not in PACKING_MODES:
+            problems.append(f"data.packing must be one of {PACKING_MODES}, got {self.packing!r}")
+        unknown = set(self.enforce_filters) - set(FILTERS)
+        if unknown:
+            problems.append(f"data.enforce_filters: unknown {sorted(unknown)}; known: {list(FILTERS)}")
+        if self.base_url and self.server_options:
+            problems.append("give data.base_url (an existing server) or data.server options, not both")
+        if self.batch_timeout <= 0:
+            problems.append(f"data.batch_timeout must be > 0, got {self.batch_timeout}")
+        if not isinstance(self.env, Environment) and not callable(getattr(self.env, "rollout", None)):
+            problems.append(f"data.env must be an Environment, got {type(self.env).__name__}")
+        try:
+            TrainSampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+        except ValueError as e:
+            problems.append(f"data sampling: {e}")
+        return problems
+
+    def setup(self, stage: str | None = None) -> None:
+        problems = self.option_problems()
+        world = self.trainer.world_size if self.trainer is not None else 1
+        if world > 1 and self.batch_size % world:
+            problems.append(f"data.batch_size ({self.batch_size}) must be divisible by the number of ranks ({world})")
+        if stage not in (None, "fit"):
+            problems.append(f"RolloutDataModule trains only (lit-rl fit); {stage!r} needs held-out data")
+        if self.trainer is not None and not any(type(c).__name__ == "WeightSync" for c in self.trainer.callbacks):
+            problems.append("RolloutDataModule needs the WeightSync callback (trainer.callbacks: "
+                            "- class_path: lit_rl.callbacks.WeightSync): it starts the server and syncs the weights")
+        if problems:
+            raise ValueError("RolloutDataModule: " + str(len(problems)) + " problem(s):\n  - " + "\n  - ".join(problems))
+
+    def resolve_tokenizer(self) -> str:
+        if self.tokenizer_name:
+            return self.tokenizer_name
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        name = getattr(module, "tokenizer_name", None)
+        if not name:
+            raise ValueError("RolloutDataModule: no tokenizer; set data.tokenizer or use a lit-rl model module")
+        return name
+
+    def _num_batches(self) -> int | None:
+        steps = self.trainer.max_steps if self.trainer is not None else -1
+        return steps if steps is not None and steps > 0 else None
+
+    # ---- the server and the rollouts (rank 0; WeightSync drives these) ------------------------------
+    def start(self, weights: Path, version: int) -> None:
+        """Serve `weights` (the policy after `version` optimizer steps) and start rollouts. Rank 0."""
+        from transformers import AutoTokenizer
+
+        from lit_rl.inference.server import open_endpoint
+
+        root = Path(self.trainer.default_root_dir).resolve()
+        trust = bool(getattr(self.trainer.lightning_module, "trust_remote_code", False))
+        tokenizer = AutoTokenizer.from_pretrained(self.resolve_tokenizer(), trust_remote_code=trust)
+        options = {}
+        if self.base_url is None:
+            options = {"log_path": root / "vllm.log", **self.server_options}
+            self._server_lease = lease(weights, "server")  # retention keeps the directory it was started on
+            self._server_lease.__enter__()
+            rank_zero_info(f"RolloutDataModule: starting vLLM on {weights} (log: {options['log_path']})")
+        self.endpoint = open_endpoint(base_url=self.base_url, model=weights, api_key=self.api_key, allowed_root=root,
+                                      **options)
+        endpoint = self.endpoint
+        make_client = lambda: endpoint.client(tokenizer=tokenizer)  # noqa: E731
+        filters = [GibberishFilter(enforce="gibberish" in self.enforce_filters),
+                   RepetitionFilter(enforce="repetition" in self.enforce_filters)]
+        buffer = RolloutBuffer(
+            self.env, make_client, tokenizer,
+            TrainSampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k),
+            batch_size=self.batch_size, group_size=self.group_size, max_concurrency=self.max_concurrency,
+            max_staleness=self.max_staleness, drop_stale=self.drop_stale, num_batches=self._num_batches(),
+            num_retries=self.num_retries, on_failure=self.on_failure, scale=self.scale,
+            skip_zero_advantage=self.skip_zero_advantage, filters=filters,
+            requests_per_minute=self.requests_per_minute, seed=self.seed,
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
+        if self._saved_state is not None:
+            buffer.load_state_dict(self._saved_state)
+        else:  # a fresh run: the trace of an earlier run in this directory describes other weights
+            (root / "rollouts" / "trained.jsonl").unlink(missing_ok=True)
+        self.rollouts = ThreadedRolloutBuffer(buffer)
+        if self.base_url is not None:  # an existing server: make it serve exactly the weights being trained
+            self.rollouts.run(lambda client: client.reload_weights(weights), timeout=self.batch_timeout)
+        self.rollouts.set_version(version)
+        self.rollouts.start()
+
+    def sync(self, weights: Path, version: int, timeout: float) -> None:
+        """After optimizer step `version`: the server serves `weights`, new rollouts are stamped
+        with `version`. Rank 0."""
+        self.rollouts.run(lambda client: client.reload_weights(weights), timeout=timeout)
+        self.rollouts.set_version(version)
+
+    def shutdown(self) -> None:
+        """Stop the rollouts and the managed server (idempotent; also on errors and signals)."""
+        rollouts, self.rollouts = self.rollouts, None
+        if rollouts is not None:
+            rollouts.close()
+        endpoint, self.endpoint = self.endpoint, None
+        if endpoint is not None:
+            endpoint.stop()
+        if self._server_lease is not None:
+            self._server_lease.__exit__(None, None, None)
+            self._server_lease = None
+
+    def teardown(self, stage: str | None = None) -> None:
+        self.shutdown()
+
+    # ---- batches: step numbers from the loader, rollouts inside the step ---------------------------
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(_StepNumbers(self._num_batches()), batch_size=None, num_workers=0)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if not (isinstance(batch, dict) and "rollout_step" in batch):
+            return batch
+        return self._draw_step()
+
+    def _draw_step(self) -> dict:
+        """Collective under several ranks: rank 0 draws the batch, every rank takes its share."""
+        trainer = self.trainer
+        wait_start = time.perf_counter()
+        payload = None
+        if trainer.is_global_zero:
+            if self.rollouts is None:
+                raise RuntimeError("RolloutDataModule: rollouts were not started (is the WeightSync callback there?)")
+            batch = self.rollouts.next_batch(timeout=self.batch_timeout)
+            if batch is None:
+                raise RuntimeError("RolloutDataModule: the rollouts ended before training did")
+            payload = {"samples": list(batch), "staleness": list(batch.staleness),
+                       "metrics": self.rollouts.metrics(), "progress": self.rollouts.progress()}
+            self._trace(trainer.global_step, batch)
+        if trainer.world_size > 1:  # plain data across ranks, samples as dicts
+            if payload is not None:
+                payload["samples"] = [sample_to_dict(s) for s in payload["samples"]]
+            payload = trainer.strategy.broadcast(payload, src=0)
+            payload["samples"] = [sample_from_dict(d) for d in payload["samples"]]
+        samples = payload["samples"]
+        share = len(samples) // trainer.world_size
+        mine = samples[trainer.global_rank * share:(trainer.global_rank + 1) * share]
+        step = build_step(mine, micro_batch_tokens=self.micro_batch_tokens, packing=self.packing,
+                          pack_length=self.pack_length)
+        step["stats"].update(_rollout_stats(samples, payload["staleness"]))
+        step["stats"]["data_wait_s"] = time.perf_counter() - wait_start
+        step["metrics"] = payload["metrics"]
+        if self.progress_every and trainer.global_step % self.progress_every == 0:
+            rank_zero_info(f"step {trainer.global_step}: {payload['progress']}")
+        return step
+
+    def _trace(self, step: int, batch) -> None:
+        """One line per trained step in `<root>/rollouts/trained.jsonl`: what was trained, from
+        which task and policy version, with what reward (for reading a run, and for checking
+        that a resumed run trains no sample twice)."""
+        path = Path(self.trainer.default_root_dir) / "rollouts" / "trained.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        keep = ("draw", "task_index", "task_id", "completion")
+        rows = [{"policy_version": s.policy_version, "reward": s.reward, "finish_reason": s.finish_reason,
+                 **{k: s.metadata[k] for k in keep if k in s.metadata}} for s in batch]
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": step, "batch": batch.index, "samples": rows}) + "\n")
+
+    # ---- resume ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        if self.rollouts is not None:
+            return {"buffer": self.rollouts.state_dict()}
+        return {"buffer": self._saved_state} if self._saved_state is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._saved_state = state.get("buffer")
+
+
+def _rollout_stats(samples, staleness: list[int]) -> dict[str, float]:
+    """What GRPO logs about the step's data (every rank computes them from the whole batch)."""
+    rewards = [s.reward for s in samples]
+    advantages = [next((a for a, m in zip(s.advantages, s.loss_mask) if m), 0.0) for s in samples]
+    lengths = [sum(s.loss_mask) for s in samples]
+    mean_adv = sum(advantages) / len(advantages)
+    return {
+        "reward": sum(rewards) / len(rewards),
+        "advantage_std": math.sqrt(sum((a - mean_adv) ** 2 for a in advantages) / len(advantages)),
+        "staleness_mean": sum(staleness) / len(staleness),
+        "staleness_max": float(max(staleness)),
+        "completion_length": sum(lengths) / len(lengths),
+        "truncated_fraction": sum(s.truncated for s in samples) / len(samples),
+    }
+
+
+class _StepNumbers(torch.utils.data.IterableDataset):
+    """Placeholders, one per optimizer step: cheap to fetch ahead, swapped for rollouts in the step."""
+
+    def __init__(self, num_steps: int | None):
+        self.num_steps = num_steps
+
+    def __iter__(self):
+        step = 0
+        while self.num_steps is None or step < self.num_steps:
+            yield {"rollout_step": step}
+            step += 1

@@ -1,0 +1,131 @@
+"""GRPO: the clipped policy gradient on rollouts, corrected for the sampler's policy.
+
+Each step trains one batch of rollouts (`lit_rl.data.RolloutDataModule`): for every
+completion token, the trainer's log-probability under the current weights (the output
+head at those positions only, `CausalLMModule.target_logprobs`), the sampler's
+log-probability the inference server returned with it, and the sequence's advantage
+(reward minus its group's mean, by default over the group's std). The loss is
+`lit_rl.losses.policy_loss`; read its docstring for the formula and each knob.
+
+Departures from the GRPO paper, all common practice since: one optimizer step per batch,
+so the ratio to the "old" policy is 1 and the off-policy part (rollouts drawn by weights
+up to `max_staleness` steps old, and the sampler's numerics) is carried by the
+behaviour-policy weight exp(old - inference), truncated at `is_cap` (prime-rl, verl);
+the default aggregation is DAPO's token mean over the whole step (`loss_type="dapo"`);
+the KL penalty to a frozen reference is off by default (`kl_coef=0`: no reference is
+loaded and nothing is computed for it).
+
+The step's normaliser (tokens for dapo, sequences for grpo/gspo) is counted over all
+micro-batches and ranks before the backward, so the update equals `policy_loss` over the
+step's samples as one batch, however they are split and packed.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from lit_rl.chunked_head import selected_token_logprobs
+from lit_rl.losses import POLICY_METRICS, check_policy_loss_options, policy_loss_normaliser, policy_loss_sums
+from lit_rl.modules.base import CausalLMModule
+from lit_rl.modules.model_loading import load_causal_lm
+
+
+class GRPO(CausalLMModule):
+    def __init__(
+        self,
+        *args,
+        loss_type: str = "dapo",
+        clip_low: float = 0.2,
+        clip_high: float = 0.28,
+        is_correction: str = "token_truncate",
+        is_cap: float = 2.0,
+        max_completion_length: int | None = None,
+        kl_coef: float = 0.0,
+        reference_model: str | None = None,
+        log_entropy: bool = True,
+        **kwargs,
+    ):
+        """
+        Args:
+            loss_type: aggregation over tokens: ``dapo`` (sum over the step's completion tokens
+                / their number), ``grpo`` (mean over sequences of each one's token mean),
+                ``dr_grpo`` (sum / (sequences x max_completion_length)), ``gspo`` (one clipped
+                ratio per sequence, aggregated like grpo).
+            clip_low: the ratio is clipped below at 1 - clip_low.
+            clip_high: ... and above at 1 + clip_high (DAPO's asymmetric "clip higher").
+            is_correction: behaviour-policy weight w = exp(trainer - sampler logprob) per token:
+                ``token_truncate`` min(w, is_cap), ``token_mask`` w if w <= is_cap else 0, ``none`` 1.
+            is_cap: the cap of w.
+            max_completion_length: the constant of ``dr_grpo`` (the rollouts' max_tokens).
+            kl_coef: weight of a per-token KL penalty to a frozen reference model (k3
+                estimator, exp(ref - logp) - (ref - logp) - 1); 0 turns it off at no cost.
+            reference_model: the reference's name or path; None: the policy's weights at the
+                start of training (before any checkpoint is restored).
+            log_entropy: log the mean entropy of the distributions the completion tokens were
+                sampled from (an extra pass over each head chunk, no backward).
+            *args, **kwargs: the `CausalLMModule` arguments (model, optimizer, ...).
+        """
+        super().__init__(*args, **kwargs)
+        problems = check_policy_loss_options(loss_type, is_correction, clip_low, clip_high, is_cap, max_completion_length)
+        if kl_coef < 0:
+            problems.append(f"kl_coef must be >= 0, got {kl_coef}")
+        if problems:
+            raise ValueError("GRPO: " + "; ".join(problems))
+        self.loss_type, self.clip_low, self.clip_high = loss_type, clip_low, clip_high
+        self.is_correction, self.is_cap, self.max_completion_length = is_correction, is_cap, max_completion_length
+        self.kl_coef, self.reference_model, self.log_entropy = kl_coef, reference_model, log_entropy
+        self._reference = None  # frozen; deliberately not a submodule: no optimizer state, no checkpoint bytes
+
+    def configure_model(self) -> None:
+        fresh = self.model is None
+        super().configure_model()
+        if self.kl_coef > 0 and self._reference is None and (fresh or self.reference_model):
+            if self.reference_model:
+                ref = load_causal_lm(self.reference_model, dtype=self.dtype_name, trust_remote_code=self.trust_remote_code,
+                                     attn_implementation=self.attn_implementation)
+            else:
+                ref = copy.deepcopy(self.model)  # before Lightning restores a checkpoint: the initial policy
+            # object.__setattr__: nn.Module would register it as a submodule (trained, checkpointed, synced)
+            object.__setattr__(self, "_reference", ref.eval().requires_grad_(False))
+
+    def _reference_logprobs(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The reference model's log-probability [B, T] of each trained token (0 elsewhere)."""
+        ref = self._reference.to(self.device)
+        mask = micro_batch["loss_mask"].clone()
+        mask[:, 0] = False
+        with torch.no_grad():
+            hidden = ref.base_model(input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"],
+                                    use_cache=False).last_hidden_state  # [B, T, H]
+            head = ref.get_output_embeddings()
+            lp, _ = selected_token_logprobs(hidden[:, :-1][mask[:, 1:]], head.weight, micro_batch["input_ids"][mask],
+                                            bias=head.bias, chunk_size=self.head_chunk_size)  # [N]
+        return torch.zeros(mask.shape, device=lp.device).masked_scatter(mask, lp)  # [B, T]
+
+    def loss_normaliser(self, micro_batch: dict[str, torch.Tensor]) -> float:
+        return policy_loss_normaliser(micro_batch["loss_mask"], micro_batch["sequence_ids"], loss_type=self.loss_type,
+                                      max_completion_length=self.max_completion_length)
+
+    def micro_batch_loss_sum(self, micro_batch: dict[str, torch.Tensor]):
+        if "logprobs" not in micro_batch or "advantages" not in micro_batch:
+            raise ValueError("GRPO trains on rollouts with sampling logprobs and advantages; use a RolloutDataModule")
+        logprobs, entropy = self.target_logprobs(micro_batch, with_entropy=self.log_entropy)  # [B, T], [B, T]
+        mask = micro_batch["loss_mask"]  # [B, T]
+        kl = None
+        if self.kl_coef > 0:
+            log_ratio = self._reference_logprobs(micro_batch) - logprobs  # [B, T]
+            kl = torch.exp(log_ratio) - log_ratio - 1.0  # [B, T]
+        loss_sum, sums = policy_loss_sums(
+            logprobs, logprobs.detach(), micro_batch["logprobs"], micro_batch["advantages"], mask,
+            micro_batch["sequence_ids"], loss_type=self.loss_type, clip_low=self.clip_low, clip_high=self.clip_high,
+            is_correction=self.is_correction, is_cap=self.is_cap,
+            extra_token_loss=None if kl is None else self.kl_coef * kl,
+        )
+        tokens = sums["tokens"]
+        metrics = {name: (sums[name], tokens) for name in POLICY_METRICS}
+        if entropy is not None:
+            metrics["entropy"] = (entropy.detach()[mask].sum(), tokens)
+        if kl is not None:
+            metrics["kl_to_reference"] = (kl.detach()[mask].sum(), tokens)
+        return loss_sum, metrics

@@ -1,0 +1,124 @@
+"""GRPO through the real CLI with a real vLLM server: the staleness bound holds, a resumed run
+continues the version count and trains no sample twice, and a server that dies mid-run gives a
+clear error instead of a hang.
+
+The bound and resume tests use the session's shared server (`base_url`): the run's weight
+sync reloads it from the run directory, and the fixture restores its weights afterwards.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, reverse_rows, write_jsonl
+from test_cli import LIT_RL, metrics_rows, run
+
+pytestmark = pytest.mark.slow
+CONFIG = str(REPO / "examples" / "reverse_text" / "grpo.yaml")
+
+
+def grpo_args(root: Path, data: str, model: str, steps: int, *extra: str) -> list[str]:
+    return [
+        "fit", "--config", CONFIG,
+        "--model.init_args.model", model,
+        "--data.init_args.env.init_args.path", data,
+        "--data.init_args.batch_size", "8", "--data.init_args.group_size", "4",
+        "--data.init_args.max_tokens", "12",
+        "--trainer.default_root_dir", str(root), "--trainer.max_steps", str(steps),
+        *extra,
+    ]
+
+
+def shared(vllm_server) -> list[str]:
+    return ["--data.init_args.base_url", vllm_server.base_url, "--data.init_args.server", "{}"]
+
+
+def trained(root: Path) -> list[dict]:
+    return [json.loads(line) for line in open(root / "rollouts" / "trained.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("grpo_data") / "train.jsonl", reverse_rows(40))
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_staleness_bound_holds_through_the_cli(vllm_server, data, tmp_path, max_staleness):
+    root = tmp_path / "run"
+    out = run(grpo_args(root, data, str(vllm_server.model_dir), 4, *shared(vllm_server),
+                        "--data.init_args.max_staleness", str(max_staleness)))
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [r for r in metrics_rows(root) if r.get("train/staleness_max")]
+    assert len(rows) == 4
+    assert all(float(r["train/staleness_max"]) <= max_staleness for r in rows)
+    for r in rows:  # the whole GRPO story is in the log
+        for name in ("train/reward", "train/mismatch_kl", "train/entropy", "train/advantage_std", "train/data_wait_s",
+                     "train/compute_s", "rollout/tokens_per_s"):
+            assert r.get(name) not in (None, ""), name
+    assert sum(bool(r.get("train/weight_sync_s")) for r in metrics_rows(root)) == 3  # after steps 1-3, not the last
+    steps = trained(root)
+    assert [s["step"] for s in steps] == [0, 1, 2, 3]
+    for s in steps:
+        assert all(s["step"] - x["policy_version"] <= max_staleness for x in s["samples"])
+    if max_staleness == 0:  # synchronous: every batch was sampled by exactly the weights it trains
+        assert all(x["policy_version"] == s["step"] for s in steps for x in s["samples"])
+        assert all(float(r["train/mismatch_kl"]) < 1e-3 for r in rows)  # the server served exactly those weights
+
+
+def test_resume_continues_versions_and_trains_no_sample_twice(vllm_server, data, tmp_path):
+    root = tmp_path / "run"
+    common = [*shared(vllm_server), "--data.init_args.max_staleness", "1"]
+    first = run(grpo_args(root, data, str(vllm_server.model_dir), 2, *common))
+    assert first.returncode == 0, first.stderr[-4000:]
+    second = run(grpo_args(root, data, str(vllm_server.model_dir), 4, *common, "--ckpt_path", "last"))
+    assert second.returncode == 0, second.stderr[-4000:]
+    steps = trained(root)
+    assert [s["step"] for s in steps] == [0, 1, 2, 3]  # the resumed run went on at step 2
+    draws = [x["draw"] for s in steps for x in s["samples"]]
+    groups = {d: draws.count(d) for d in draws}
+    assert all(n == 4 for n in groups.values())  # each drawn task's group trained once, whole
+    assert all(x["policy_version"] >= s["step"] - 1 for s in steps for x in s["samples"])
+    assert min(x["policy_version"] for x in steps[3]["samples"]) >= 2  # versions continued, not restarted at 0
+    rows = [r for r in metrics_rows(root) if r.get("rollout/policy_version")]
+    assert max(float(r["rollout/policy_version"]) for r in rows) >= 2
+
+
+def test_a_server_killed_mid_run_gives_a_clear_error(data, tmp_path, tiny_model_path):
+    """A managed server (lit-rl starts it), killed after the first steps: the run fails within
+    a bounded time with a message naming the server, and leaves no process behind."""
+    root = tmp_path / "run"
+    args = grpo_args(root, data, tiny_model_path, 50, "--model.init_args.random_init", "true",
+                     "--data.init_args.batch_timeout", "60")
+    proc = subprocess.Popen(LIT_RL + args, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        trace = root / "rollouts" / "trained.jsonl"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and (not trace.exists() or len(trace.read_text().splitlines()) < 2):
+            assert proc.poll() is None, proc.communicate()[1][-4000:]
+            time.sleep(0.5)
+        servers = subprocess.run(["pgrep", "-f", f"vllm.entrypoints.openai.api_server.*{root}"], capture_output=True,
+                                 text=True).stdout.split()
+        assert servers, "the managed server was not found"
+        killed = time.monotonic()
+        for pid in servers:
+            try:
+                os.killpg(os.getpgid(int(pid)), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _, err = proc.communicate(timeout=180)
+        took = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert took < 120, f"the run took {took:.0f} s to notice the dead server"
+    assert "server" in err.splitlines()[-1].lower(), err[-3000:]  # the last line says what went wrong
+    left = subprocess.run(["pgrep", "-f", str(root)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left behind: {left}"

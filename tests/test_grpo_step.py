@@ -1,0 +1,157 @@
+"""One GRPO optimizer step through the real Trainer equals `policy_loss` over the step's
+samples as one [B, T] batch, for every loss_type, however the step is split into
+micro-batches or packed (plain SGD, no clipping: a wrong factor would show)."""
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+
+from lit_rl.data.samples import Sample
+from lit_rl.data.step_builder import build_step
+from lit_rl.losses import LOSS_TYPES, policy_loss, shifted_token_logprobs
+from lit_rl.modules.grpo import GRPO
+from lit_rl.modules.model_loading import load_causal_lm
+from helpers import TINY_MODEL
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=1.0)
+
+
+def rollout_samples(model, n=10, seed=0):
+    """Prompt + completion samples with sampling logprobs near (not equal to) the model's own,
+    and a per-sequence advantage on every completion token."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        prompt, completion = 3 + i % 4, 4 + (i * 5) % 9
+        ids = torch.randint(0, 250, (prompt + completion,), generator=g)
+        with torch.no_grad():
+            lp = shifted_token_logprobs(model(input_ids=ids[None], use_cache=False).logits, ids[None])[0]
+        sampler = lp + 0.3 * torch.randn(lp.shape, generator=g)  # the sampler disagrees a little
+        mask = [t >= prompt for t in range(len(ids))]
+        sample = Sample(input_ids=ids.tolist(), loss_mask=mask, logprobs=[v if m else 0.0 for v, m in zip(sampler.tolist(), mask)],
+                        reward=float(i % 3), source="rollout")
+        samples.append(sample.with_advantage(float(torch.randn((), generator=g))))
+    return samples
+
+
+def reference_update(model, samples, loss_type):
+    """The parameters after one SGD step (lr 1) on policy_loss over all samples as [B, T]."""
+    model = copy.deepcopy(model)
+    T = max(len(s) for s in samples)
+    lp_rows, inf, adv, mask = [], torch.zeros(len(samples), T), torch.zeros(len(samples)), torch.zeros(len(samples), T, dtype=torch.bool)
+    for b, s in enumerate(samples):
+        ids = torch.tensor([s.input_ids])
+        lp = shifted_token_logprobs(model(input_ids=ids, use_cache=False).logits, ids)[0]  # [n]
+        lp_rows.append(torch.nn.functional.pad(lp, (0, T - len(s))))
+        inf[b, : len(s)] = torch.tensor(s.logprobs)
+        mask[b, : len(s)] = torch.tensor(s.loss_mask)
+        mask[b, 0] = False
+        adv[b] = next(a for a, m in zip(s.advantages, s.loss_mask) if m)
+    lp = torch.stack(lp_rows)  # [B, T]
+    loss, _ = policy_loss(lp, lp.detach(), inf, adv, mask, loss_type=loss_type, max_completion_length=16)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= p.grad
+    return model, loss.item()
+
+
+class OneStep(L.LightningDataModule):
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader([self.step], batch_size=None, collate_fn=lambda x: x)
+
+
+def trained(model, samples, loss_type, micro_batch_tokens, packing):
+    module = GRPO(model=TINY_MODEL, optimizer=sgd, max_grad_norm=None, loss_type=loss_type, max_completion_length=16,
+                  head_chunk_size=7)
+    module.model = copy.deepcopy(model)
+    step = build_step(samples, micro_batch_tokens=micro_batch_tokens, packing=packing)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=OneStep(step))
+    return module.model, trainer.callback_metrics, len(step["micro_batches"])
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_causal_lm(TINY_MODEL, random_init=True, seed=0)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_update_equals_policy_loss_over_the_whole_step(model, loss_type):
+    samples = rollout_samples(model)
+    want, want_loss = reference_update(model, samples, loss_type)
+    for budget, packing in [(4096, "padded"), (48, "padded"), (40, "packed")]:
+        got, metrics, n_micro = trained(model, samples, loss_type, budget, packing)
+        assert budget == 4096 or n_micro > 2  # the small budgets really split the step
+        assert metrics["train/loss"].item() == pytest.approx(want_loss, abs=1e-5)
+        for (name, a), b in zip(want.named_parameters(), got.parameters()):
+            torch.testing.assert_close(b, a, atol=2e-6, rtol=0, msg=lambda m: f"{loss_type} {budget}/{packing} {name}: {m}")
+        assert 0 < metrics["train/mismatch_kl"].item() < 1 and metrics["train/entropy"].item() > 0
+
+
+def test_kl_penalty_off_costs_nothing_and_on_pulls_towards_the_reference(model):
+    samples = rollout_samples(model, n=4)
+    module = GRPO(model=TINY_MODEL, kl_coef=0.0)
+    module.model = copy.deepcopy(model)
+    module.configure_model()
+    assert module._reference is None  # no reference loaded or computed when off
+    with_kl = GRPO(model=TINY_MODEL, random_init=True, kl_coef=0.5)
+    torch.manual_seed(0)
+    with_kl.configure_model()
+    ref = with_kl._reference
+    assert ref is not None and not any(p.requires_grad for p in ref.parameters())
+    assert not any(p is q for p in ref.parameters() for q in with_kl.parameters())  # not trained, not checkpointed
+    step = build_step(samples, micro_batch_tokens=4096, packing="padded")
+    (mb,) = step["micro_batches"]
+    _, metrics = with_kl.micro_batch_loss_sum(mb)
+    assert metrics["kl_to_reference"][0].item() == pytest.approx(0.0, abs=1e-6)  # policy == reference at the start
+    with torch.no_grad():
+        for p in with_kl.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    _, metrics = with_kl.micro_batch_loss_sum(mb)
+    assert metrics["kl_to_reference"][0].item() > 1e-4
+
+
+def test_bad_options_are_reported_together():
+    with pytest.raises(ValueError) as e:
+        GRPO(model=TINY_MODEL, loss_type="ppo", is_cap=-1, kl_coef=-1)
+    assert all(k in str(e.value) for k in ("loss_type", "is_cap", "kl_coef"))
+
+
+class RankShare(L.LightningDataModule):
+    """Each rank gets its half of the step's samples, as RolloutDataModule hands them out."""
+
+    def __init__(self, samples, **layout):
+        super().__init__()
+        self.samples, self.layout = samples, layout
+
+    def train_dataloader(self):
+        rank, world = self.trainer.global_rank, self.trainer.world_size
+        share = len(self.samples) // world
+        step = build_step(self.samples[rank * share:(rank + 1) * share], **self.layout)
+        return torch.utils.data.DataLoader([step], batch_size=None, collate_fn=lambda x: x)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_two_ranks_give_the_update_of_policy_loss_over_the_whole_step(model, loss_type):
+    """Tokens (dapo) or sequences (grpo) are counted over both ranks before the backward."""
+    samples = rollout_samples(model, n=8)
+    want, want_loss = reference_update(model, samples, loss_type)
+    module = GRPO(model=TINY_MODEL, optimizer=sgd, max_grad_norm=None, loss_type=loss_type, max_completion_length=16)
+    module.model = copy.deepcopy(model)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=2, strategy="ddp_spawn", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False)
+    trainer.fit(module, datamodule=RankShare(samples, micro_batch_tokens=48, packing="packed"))
+    for (name, a), b in zip(want.named_parameters(), module.model.parameters()):
+        torch.testing.assert_close(b, a, atol=2e-6, rtol=0, msg=lambda m: f"{loss_type} {name}: {m}")
