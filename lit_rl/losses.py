@@ -127,7 +127,7 @@ def policy_loss_sums(
     with torch.no_grad():
         clipped = ((ratio < 1.0 - clip_low) & (adv < 0)) | ((ratio > 1.0 + clip_high) & (adv > 0))  # [N]
         metrics = {
-            "mismatch_kl": (w - log_w - 1.0).sum(),  # uncapped w: how far the sampler is from the trainer
+            "mismatch_kl": (torch.expm1(log_w) - log_w).sum(),  # w - log w - 1 (uncapped w), exact for tiny gaps
             "clip_fraction": clipped.float().sum(),
             "is_capped_fraction": (w > is_cap).float().sum(),
             "tokens": torch.tensor(float(lp.numel()), device=lp.device),

@@ -61,7 +61,8 @@ def test_staleness_bound_holds_through_the_cli(vllm_server, data, tmp_path, max_
         for name in ("train/reward", "train/mismatch_kl", "train/entropy", "train/advantage_std", "train/data_wait_s",
                      "train/compute_s", "rollout/tokens_per_s"):
             assert r.get(name) not in (None, ""), name
-    assert sum(bool(r.get("train/weight_sync_s")) for r in metrics_rows(root)) == 3  # after steps 1-3, not the last
+    syncs = [float(r["train/weight_sync_s"]) for r in rows]
+    assert all(s > 0 for s in syncs[:3]) and syncs[3] == 0.0  # after steps 1-3, not after the last
     steps = trained(root)
     assert [s["step"] for s in steps] == [0, 1, 2, 3]
     for s in steps:

@@ -73,8 +73,10 @@ class WeightSync(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if trainer.max_steps > 0 and step >= trainer.max_steps:
-            return  # the last step: no rollout will be drawn from these weights
+        if trainer.max_steps > 0 and step >= trainer.max_steps:  # the last step: no rollout will be drawn from these weights
+            self.last_sync_s = 0.0
+            pl_module.log("train/weight_sync_s", 0.0, on_step=True, on_epoch=False, batch_size=1)
+            return
         started = time.perf_counter()
         self.send(trainer, pl_module, step)
         trainer.strategy.barrier("weight_sync")

@@ -377,7 +377,9 @@ class VLLMServer:
         code = self.proc.poll()
         if code is None:
             return f"the vLLM server process {self.proc.pid} is still running (log: {self.log_path})"
-        return f"the vLLM server process exited with code {code}; last lines of {self.log_path}:\n{tail(self.log_path, 15)}"
+        # the summary again after the log tail: the last line of a traceback is what users read
+        return (f"the vLLM server process exited with code {code}; last lines of {self.log_path}:\n"
+                f"{tail(self.log_path, 15)}\n=> the vLLM server process exited with code {code} (log: {self.log_path})")
 
     def client(self, **kwargs):
         """An `InferenceClient` for this server (api key, reload root and diagnostics filled in)."""
