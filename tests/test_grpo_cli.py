@@ -123,3 +123,19 @@ def test_a_server_killed_mid_run_gives_a_clear_error(data, tmp_path, tiny_model_
     assert "server" in err.splitlines()[-1].lower(), err[-3000:]  # the last line says what went wrong
     left = subprocess.run(["pgrep", "-f", str(root)], capture_output=True, text=True).stdout.split()
     assert not left, f"processes left behind: {left}"
+
+
+def test_two_ranks_share_each_batch(vllm_server, data, tmp_path):
+    """Two CPU processes (DDP): rank 0 drives the buffer, each rank trains its own half of every
+    batch. The step's trained tokens (summed over ranks) are exactly the batch's completion tokens:
+    a rank that took the other's half, or the whole batch, would count some twice."""
+    root = tmp_path / "run"
+    out = run(grpo_args(root, data, str(vllm_server.model_dir), 2, *shared(vllm_server),
+                        "--trainer.devices", "2", "--trainer.strategy", "ddp"))
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [r for r in metrics_rows(root) if r.get("train/staleness_max")]
+    assert len(rows) == 2
+    for r in rows:
+        batch_tokens = float(r["train/completion_length"]) * 8  # mean completion tokens x batch_size
+        assert float(r["train/tokens"]) == pytest.approx(batch_tokens), r
+    assert [s["step"] for s in trained(root)] == [0, 1]

@@ -22,6 +22,6 @@ $PY examples/reverse_text/exact_match.py --model "$START"
 echo "== GRPO: lit-rl fit --config examples/reverse_text/grpo.yaml"
 .venv/bin/lit-rl fit --config examples/reverse_text/grpo.yaml --model.init_args.model "$START" \
   --trainer.default_root_dir "$ROOT" "$@"
-LAST=$(ls -d "$ROOT"/weights/step_* | sort -t_ -k2 -n | tail -1)
+LAST="$ROOT/weights/step_$(ls "$ROOT/weights" | sed -n 's/^step_\([0-9]*\)$/\1/p' | sort -n | tail -1)"
 echo "== held-out reward after GRPO ($LAST)"
 $PY examples/reverse_text/exact_match.py --model "$LAST"
