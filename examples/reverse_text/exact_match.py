@@ -22,8 +22,11 @@ from lit_rl.rollouts.envs import lcs_ratio
 
 
 @torch.no_grad()
-def score(model_dir: str, test_file: str, *, random_init: bool = False, batch_size: int = 50, seed: int = 0) -> dict:
-    """{"exact_match": fraction, "reward": mean LCS ratio} over the held-out chats."""
+def score(model_dir: str, test_file: str, *, random_init: bool = False, batch_size: int = 50, seed: int = 0,
+          samples: int = 0) -> dict:
+    """{"exact_match": fraction, "reward": mean LCS ratio} of greedy decoding over the held-out
+    chats; with `samples` > 0 also "sampled_reward": the mean reward of that many completions per
+    chat sampled at temperature 1, the policy GRPO trains (greedy decoding sees only its mode)."""
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
     model = load_causal_lm(model_dir, random_init=random_init, seed=seed).eval()
@@ -38,7 +41,21 @@ def score(model_dir: str, test_file: str, *, random_init: bool = False, batch_si
             text = tok.decode(ids, skip_special_tokens=True).strip()
             hits += text == row["messages"][1]["content"]
             reward += lcs_ratio(text, row["messages"][0]["content"][::-1])
-    return {"exact_match": hits / len(rows), "reward": reward / len(rows)}
+    scores = {"exact_match": hits / len(rows), "reward": reward / len(rows)}
+    if samples > 0:
+        torch.manual_seed(seed)
+        total = 0.0
+        for i in range(0, len(rows), batch_size):
+            chunk = rows[i : i + batch_size]
+            prompts = [tok.apply_chat_template(r["messages"][:1], tokenize=False, add_generation_prompt=True) for r in chunk]
+            enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+            out = model.generate(**enc, max_new_tokens=40, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                 num_return_sequences=samples, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+            for j, ids in enumerate(out[:, enc["input_ids"].shape[1] :]):
+                text = tok.decode(ids, skip_special_tokens=True).strip()
+                total += lcs_ratio(text, chunk[j // samples]["messages"][0]["content"][::-1])
+        scores["sampled_reward"] = total / (len(rows) * samples)
+    return scores
 
 
 def main() -> None:
@@ -46,8 +63,9 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--test", default="examples/reverse_text/data/test.jsonl")
     parser.add_argument("--random-init", action="store_true", help="score the untrained model built from the config")
+    parser.add_argument("--samples", type=int, default=0, help="also the mean reward of N completions per chat sampled at temperature 1")
     args = parser.parse_args()
-    scores = score(args.model, args.test, random_init=args.random_init)
+    scores = score(args.model, args.test, random_init=args.random_init, samples=args.samples)
     print(json.dumps({"model": args.model, "random_init": args.random_init, **scores}))
 
 

@@ -18,10 +18,10 @@ if [ ! -f "$START/STABLE" ]; then
     --trainer.default_root_dir "$SFT_ROOT" --trainer.limit_val_batches 0 --trainer.enable_checkpointing false
 fi
 echo "== held-out reward before GRPO ($START)"
-$PY examples/reverse_text/exact_match.py --model "$START"
+$PY examples/reverse_text/exact_match.py --model "$START" --samples 4
 echo "== GRPO: lit-rl fit --config examples/reverse_text/grpo.yaml"
 .venv/bin/lit-rl fit --config examples/reverse_text/grpo.yaml --model.init_args.model "$START" \
   --trainer.default_root_dir "$ROOT" "$@"
 LAST="$ROOT/weights/step_$(ls "$ROOT/weights" | sed -n 's/^step_\([0-9]*\)$/\1/p' | sort -n | tail -1)"
 echo "== held-out reward after GRPO ($LAST)"
-$PY examples/reverse_text/exact_match.py --model "$LAST"
+$PY examples/reverse_text/exact_match.py --model "$LAST" --samples 4
