@@ -23,6 +23,18 @@ PACKING_MODES = ("padded", "packed")
 BAD_ROW_POLICIES = ("error", "skip")
 
 
+def resolve_tokenizer_name(data_module: L.LightningDataModule) -> str:
+    """The data module's own `tokenizer_name`, else its trainer's lit-rl model's: shared by the
+    static and the rollout data modules."""
+    if data_module.tokenizer_name:
+        return data_module.tokenizer_name
+    trainer = data_module.trainer
+    name = getattr(trainer.lightning_module if trainer is not None else None, "tokenizer_name", None)
+    if not name:
+        raise ValueError(f"{type(data_module).__name__}: no tokenizer; set data.tokenizer or use a lit-rl model module")
+    return name
+
+
 class StaticDataModule(L.LightningDataModule):
     def __init__(
         self,
@@ -122,13 +134,7 @@ class StaticDataModule(L.LightningDataModule):
         return problems
 
     def resolve_tokenizer(self) -> str:
-        if self.tokenizer_name:
-            return self.tokenizer_name
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        name = getattr(module, "tokenizer_name", None)
-        if not name:
-            raise ValueError("StaticDataModule: no tokenizer; set data.tokenizer or use a lit-rl model module")
-        return name
+        return resolve_tokenizer_name(self)
 
     def _renderer(self, path: str, split: str, problems: list[str], what: str) -> RowRenderer | None:
         try:

@@ -33,8 +33,9 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_rl.data.datamodules import PACKING_MODES
+from lit_rl.data.datamodules import PACKING_MODES, resolve_tokenizer_name
 from lit_rl.data.step_builder import build_step
+from lit_rl.model_names import load_tokenizer
 from lit_rl.rollouts.buffer import RolloutBuffer, sample_from_dict, sample_to_dict
 from lit_rl.rollouts.context import TrainSampling
 from lit_rl.rollouts.envs import Environment
@@ -171,13 +172,7 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError("RolloutDataModule: " + str(len(problems)) + " problem(s):\n  - " + "\n  - ".join(problems))
 
     def resolve_tokenizer(self) -> str:
-        if self.tokenizer_name:
-            return self.tokenizer_name
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        name = getattr(module, "tokenizer_name", None)
-        if not name:
-            raise ValueError("RolloutDataModule: no tokenizer; set data.tokenizer or use a lit-rl model module")
-        return name
+        return resolve_tokenizer_name(self)
 
     def _num_batches(self) -> int | None:
         steps = self.trainer.max_steps if self.trainer is not None else -1
@@ -186,13 +181,11 @@ class RolloutDataModule(L.LightningDataModule):
     # ---- the server and the rollouts (rank 0; WeightSync drives these) ------------------------------
     def start(self, weights: Path, version: int) -> None:
         """Serve `weights` (the policy after `version` optimizer steps) and start rollouts. Rank 0."""
-        from transformers import AutoTokenizer
-
         from lit_rl.inference.server import open_endpoint
 
         root = Path(self.trainer.default_root_dir).resolve()
         trust = bool(getattr(self.trainer.lightning_module, "trust_remote_code", False))
-        tokenizer = AutoTokenizer.from_pretrained(self.resolve_tokenizer(), trust_remote_code=trust)
+        tokenizer = load_tokenizer(self.resolve_tokenizer(), trust_remote_code=trust)  # built-in names too
         options = {}
         if self.base_url is None:
             options = {"log_path": root / "vllm.log", **self.server_options}
