@@ -131,9 +131,10 @@ def test_a_server_killed_mid_run_gives_a_clear_error(data, tmp_path, tiny_model_
 
 
 def test_two_ranks_share_each_batch(vllm_server, data, tmp_path):
-    """Two CPU processes (DDP): rank 0 drives the buffer, each rank trains its own half of every
-    batch. The step's trained tokens (summed over ranks) are exactly the batch's completion tokens:
-    a rank that took the other's half, or the whole batch, would count some twice."""
+    """Two CPU processes (DDP): rank 0 drives the buffer, every rank trains a half of every batch.
+    The step's trained tokens (summed over ranks) are the batch's completion tokens, so no rank
+    trained the whole batch. Known gap: when all completions have the same length (random init,
+    max_tokens 12) this cannot tell two ranks training the same half from distinct halves."""
     root = tmp_path / "run"
     out = run(grpo_args(root, data, str(vllm_server.model_dir), 2, *shared(vllm_server),
                         "--trainer.devices", "2", "--trainer.strategy", "ddp"))
