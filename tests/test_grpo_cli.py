@@ -132,9 +132,8 @@ def test_a_server_killed_mid_run_gives_a_clear_error(data, tmp_path, tiny_model_
 
 def test_two_ranks_share_each_batch(vllm_server, data, tmp_path):
     """Two CPU processes (DDP): rank 0 drives the buffer, every rank trains a half of every batch.
-    The step's trained tokens (summed over ranks) are the batch's completion tokens, so no rank
-    trained the whole batch. Known gap: when all completions have the same length (random init,
-    max_tokens 12) this cannot tell two ranks training the same half from distinct halves."""
+    The step's trained tokens (summed over ranks) are the batch's completion tokens, and the
+    samples each rank traced as trained are disjoint halves that together make up rank 0's batch."""
     root = tmp_path / "run"
     out = run(grpo_args(root, data, str(vllm_server.model_dir), 2, *shared(vllm_server),
                         "--trainer.devices", "2", "--trainer.strategy", "ddp"))
@@ -145,6 +144,13 @@ def test_two_ranks_share_each_batch(vllm_server, data, tmp_path):
         batch_tokens = float(r["train/completion_length"]) * 8  # mean completion tokens x batch_size
         assert float(r["train/tokens"]) == pytest.approx(batch_tokens), r
     assert [s["step"] for s in trained(root)] == [0, 1]
+    shares = [[json.loads(line) for line in open(root / "rollouts" / f"trained_rank{r}.jsonl")] for r in (0, 1)]
+    for batch, half0, half1 in zip(trained(root), *shares, strict=True):
+        assert half0["step"] == half1["step"] == batch["step"]
+        ids0, ids1 = ({tuple(i) for i in half["samples"]} for half in (half0, half1))
+        assert len(ids0) == len(ids1) == 4
+        assert not ids0 & ids1, (half0, half1)
+        assert ids0 | ids1 == {(s["draw"], s["member"]) for s in batch["samples"]}
 
 
 def test_online_evals_of_a_grpo_run(vllm_server, data, tmp_path):

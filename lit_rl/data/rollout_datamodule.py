@@ -270,6 +270,8 @@ class RolloutDataModule(L.LightningDataModule):
         samples = payload["samples"]
         share = len(samples) // trainer.world_size
         mine = samples[trainer.global_rank * share:(trainer.global_rank + 1) * share]
+        if trainer.world_size > 1:
+            self._trace_share(trainer.global_step, trainer.global_rank, mine)
         step = build_step(mine, micro_batch_tokens=self.micro_batch_tokens, packing=self.packing,
                           pack_length=self.pack_length)
         step["stats"].update(_rollout_stats(samples, payload["staleness"]))
@@ -285,11 +287,21 @@ class RolloutDataModule(L.LightningDataModule):
         that a resumed run trains no sample twice)."""
         path = Path(self.trainer.default_root_dir) / "rollouts" / "trained.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
-        keep = ("draw", "task_index", "task_id", "completion")
+        keep = ("draw", "member", "task_index", "task_id", "completion")
         rows = [{"policy_version": s.policy_version, "reward": s.reward, "finish_reason": s.finish_reason,
                  **{k: s.metadata[k] for k in keep if k in s.metadata}} for s in batch]
         with open(path, "a") as f:
             f.write(json.dumps({"step": step, "batch": batch.index, "samples": rows}) + "\n")
+
+    def _trace_share(self, step: int, rank: int, mine: list) -> None:
+        """Under several ranks, each rank writes the samples it trained, as `[draw, member]`, to
+        `<root>/rollouts/trained_rank<r>.jsonl`, so a run shows which rank trained what (and that
+        no two ranks trained the same sample)."""
+        path = Path(self.trainer.default_root_dir) / "rollouts" / f"trained_rank{rank}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        ids = [[s.metadata.get("draw"), s.metadata.get("member")] for s in mine]
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": step, "samples": ids}) + "\n")
 
     # ---- resume ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

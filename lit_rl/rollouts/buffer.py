@@ -26,7 +26,8 @@ Resume: `state_dict()` is plain JSON-able data (no pickle): the scheduler state 
 finished-but-unpopped groups' samples as dicts, the task cursor, and the tasks in flight at
 save time, which a loaded buffer spawns again first, so no task is skipped and no accepted
 sample is trained twice. Samples carry ``metadata["task_index"]`` (position in
-`env.tasks()`) and ``metadata["draw"]`` (how many tasks were drawn before it in the run).
+`env.tasks()`), ``metadata["draw"]`` (how many tasks were drawn before it in the run) and
+``metadata["member"]`` (its place in the group), so ``(draw, member)`` names a sample in the run.
 """
 
 from __future__ import annotations
@@ -404,8 +405,9 @@ class RolloutBuffer:
         samples = self._check_group(group, draw, index)
         samples = [
             dataclasses.replace(s, policy_version=version, metadata={
-                **s.metadata, "task_index": index, "draw": draw, "completion_tokens": s.num_targets})
-            for s in samples
+                **s.metadata, "task_index": index, "draw": draw, "member": member,
+                "completion_tokens": s.num_targets})
+            for member, s in enumerate(samples)
         ]
         tokens = sum(s.num_targets for s in samples)
         self.counters["completion_tokens"] += tokens
