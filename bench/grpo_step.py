@@ -35,9 +35,9 @@ Contenders (each run a fresh process; contenders alternate, the order reversed e
                     timestamp at every `on_step_end`; the time in `_generate_single_turn` is also
                     recorded (TRL's share of the step spent generating).
 
-Diagnostics (not in the default set): `lit0_nospin`, `lit1_nospin` are the lit-rl runs with vLLM's
-worker spin-wait after each batch (1 s, hard-coded in vLLM's shm_broadcast.SpinCondition) cut to
-10 ms by a sitecustomize on the server's PYTHONPATH (see NOSPIN below): what that spin costs.
+Diagnostics (not in the default set): `lit0_spin1s`, `lit1_spin1s` are the lit-rl runs with vLLM's
+own worker spin-wait after each batch (1 s; lit-rl's servers spin 10 ms on CPU, see
+lit_rl/inference/vllm_main.py), set through LIT_RL_VLLM_SPIN_S=1: what that spin costs.
 
 Steady state: each run does `--warmup` + `--steps` + 1 optimizer steps; s/step is the time from the
 end of the last warm-up step to the end of the last timed step over `--steps` (set-up, lit-rl's
@@ -51,7 +51,7 @@ records how many cores other processes kept busy during the run (last column).
 
     .venv/bin/python bench/grpo_step.py                       # defaults: ~6 min on 2 quiet cores
     .venv/bin/python bench/grpo_step.py --rounds 3 --json out.json
-    .venv/bin/python bench/grpo_step.py --contenders lit0,lit0_nospin,lit1,lit1_nospin,trl
+    .venv/bin/python bench/grpo_step.py --contenders lit0,lit0_spin1s,lit1,lit1_spin1s,trl
     .venv/bin/python bench/grpo_step.py --contenders trl --rounds 1 --trl-mb 64
 """
 
@@ -82,32 +82,12 @@ CONTENDERS = {
     "lit1": "lit-rl max_staleness=1",
     "trl": "TRL GRPOTrainer",
     # diagnostics, not in the default set: vLLM's worker spin-waits (os.sched_yield in a loop) for
-    # 1 s after every message from its engine core (shm_broadcast.SpinCondition, busy_loop_s=1, not
-    # configurable), i.e. for a second after each batch of rollouts, on a core the trainer needs.
-    # These runs patch that default down to 10 ms in the server's processes (a sitecustomize on
-    # PYTHONPATH, for that run only) to show what the spin costs; lit-rl itself is unchanged.
-    "lit0_nospin": "lit-rl max_staleness=0, vLLM spin 10 ms",
-    "lit1_nospin": "lit-rl max_staleness=1, vLLM spin 10 ms",
+    # 1 s after every message from its engine core (shm_broadcast.SpinCondition), i.e. for a second
+    # after each batch of rollouts, on a core the trainer needs. lit-rl's servers cut that to 10 ms
+    # on CPU (lit_rl/inference/vllm_main.py); these runs put vLLM's 1 s back.
+    "lit0_spin1s": "lit-rl max_staleness=0, vLLM's 1 s spin",
+    "lit1_spin1s": "lit-rl max_staleness=1, vLLM's 1 s spin",
 }
-NOSPIN = """\
-# written by bench/grpo_step.py for its *_nospin diagnostic runs: vLLM's shm MessageQueue readers
-# spin-wait 10 ms after their last read instead of 1 s
-import importlib.abc, importlib.machinery, sys
-_TARGET = "vllm.distributed.device_communicators.shm_broadcast"
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != _TARGET:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        load = spec.loader.exec_module
-        def exec_module(module):
-            load(module)
-            module.SpinCondition.__init__.__defaults__ = (0.01,)
-        spec.loader.exec_module = exec_module
-        return spec
-sys.meta_path.insert(0, _Finder())
-"""
 TARGETS = {"lit0": 2.0, "lit1": 3.0}  # lit-rl at least this many times faster than TRL
 
 
@@ -217,6 +197,7 @@ def prepare(args, workdir: str, settings: dict) -> dict:
 
 def child_env(workdir: str) -> dict:
     env = dict(os.environ)
+    env.pop("LIT_RL_VLLM_SPIN_S", None)  # lit-rl's default spin unless a contender sets it
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                HF_DATASETS_CACHE=os.path.join(workdir, "hf_datasets"), PYTHONUNBUFFERED="1")
     return env
@@ -509,12 +490,8 @@ def one_run(args, name: str, prep: dict, settings: dict, workdir: str, tag: str)
             return {**json.load(f), **run}
     root = os.path.join(workdir, tag)
     env = child_env(workdir)
-    if name.endswith("_nospin"):
-        patch_dir = os.path.join(workdir, "nospin")
-        os.makedirs(patch_dir, exist_ok=True)
-        with open(os.path.join(patch_dir, "sitecustomize.py"), "w") as f:
-            f.write(NOSPIN)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [patch_dir, env.get("PYTHONPATH")]))
+    if name.endswith("_spin1s"):
+        env["LIT_RL_VLLM_SPIN_S"] = "1"
     run = run_child(lit_command(args, prep, root, int(name[3])), root + ".log", workdir, args.run_timeout, env)
     if run["rc"] != 0:
         raise RuntimeError(f"lit-rl run failed (exit {run['rc']}); the end of its log:\n{_tail(root + '.log')}")

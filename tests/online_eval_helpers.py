@@ -68,6 +68,6 @@ def evaluator_processes(root: Path) -> list[int]:
     found = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if str(root) in cmd and ("lit_rl.cli evaluate" in cmd or "vllm.entrypoints" in cmd):
+        if str(root) in cmd and ("lit_rl.cli evaluate" in cmd or "lit_rl.inference.vllm_main" in cmd):
             found.append(p.info["pid"])
     return found

@@ -109,7 +109,7 @@ def test_a_server_killed_mid_run_gives_a_clear_error(data, tmp_path, tiny_model_
         while time.monotonic() < deadline and (not trace.exists() or len(trace.read_text().splitlines()) < 2):
             assert proc.poll() is None, proc.communicate()[1][-4000:]
             time.sleep(0.5)
-        servers = subprocess.run(["pgrep", "-f", f"vllm.entrypoints.openai.api_server.*{root}"], capture_output=True,
+        servers = subprocess.run(["pgrep", "-f", f"lit_rl.inference.vllm_main.*{root}"], capture_output=True,
                                  text=True).stdout.split()
         assert servers, "the managed server was not found"
         killed = time.monotonic()

@@ -1,6 +1,6 @@
 """Inference for rollouts, teacher scoring and evals: a vLLM server in its own process and an async client.
 
-    server.py   VLLMServer (start / health / stop of `python -m vllm.entrypoints.openai.api_server`),
+    server.py   VLLMServer (start / health / stop of vLLM's OpenAI server, through vllm_main.py),
                 open_endpoint (start one, or use an existing base_url)
     client.py   InferenceClient (generate / chat / score / reload_weights over the OpenAI API)
     gpus.py     plan_gpus (split one node's GPUs between training and the server)

