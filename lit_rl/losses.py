@@ -62,6 +62,22 @@ def check_policy_loss_options(loss_type: str, is_correction: str, clip_low: floa
     return problems
 
 
+def behaviour_weight(old_logprobs: torch.Tensor, inference_logprobs: torch.Tensor, is_correction: str,
+                     is_cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The behaviour-policy correction of each token, detached: log w = old - inference (the
+    trainer before the update against the sampler), and the weight the loss uses:
+    token_truncate min(w, is_cap), token_mask w if w <= is_cap else 0, none 1. Any shape."""
+    log_w = (old_logprobs - inference_logprobs).detach()
+    w = torch.exp(log_w)
+    if is_correction == "token_truncate":
+        return log_w, w.clamp(max=is_cap)
+    if is_correction == "token_mask":
+        return log_w, torch.where(w <= is_cap, w, torch.zeros_like(w))
+    if is_correction == "none":
+        return log_w, torch.ones_like(w)
+    raise ValueError(f"is_correction must be one of {IS_CORRECTIONS}, got {is_correction!r}")
+
+
 def policy_loss_sums(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -105,16 +121,8 @@ def policy_loss_sums(
     ratio = torch.exp(log_ratio)  # [N]
     clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [N]
     objective = torch.minimum(ratio * adv, clipped_ratio * adv)  # [N]
-    log_w = (old - inf).detach()  # [N]: behaviour-policy log-weight (trainer before the update vs sampler)
+    log_w, weight = behaviour_weight(old, inf, is_correction, is_cap)  # [N], [N]
     w = torch.exp(log_w)  # [N]
-    if is_correction == "token_truncate":
-        weight = w.clamp(max=is_cap)  # [N]
-    elif is_correction == "token_mask":
-        weight = torch.where(w <= is_cap, w, torch.zeros_like(w))  # [N]
-    elif is_correction == "none":
-        weight = torch.ones_like(w)  # [N]
-    else:
-        raise ValueError(f"is_correction must be one of {IS_CORRECTIONS}, got {is_correction!r}")
     token_loss = -weight * objective  # [N]
     if extra_token_loss is not None:
         token_loss = token_loss + extra_token_loss[mask]  # [N]
@@ -199,3 +207,73 @@ def policy_loss(
     normaliser = policy_loss_normaliser(loss_mask, rows, loss_type=loss_type, max_completion_length=max_completion_length)
     tokens = max(float(sums["tokens"]), 1.0)
     return loss_sum / max(normaliser, 1.0), {name: float(sums[name]) / tokens for name in POLICY_METRICS}
+
+
+# ---- on-policy distillation ------------------------------------------------------------------------------
+OPD_METRICS = ("reverse_kl", "mismatch_kl", "is_capped_fraction")
+
+
+def opd_loss_sums(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    inference_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    is_correction: str = "token_truncate",
+    is_cap: float = 2.0,
+    advantages: torch.Tensor | None = None,
+    reward_weight: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The numerator of `opd_loss` and its metric sums over masked tokens, tensors of one shape.
+
+    Sums over any split (micro-batches, ranks) add up; divide by the masked tokens of the
+    whole step. `advantages` (per token, e.g. GRPO's group-relative reward advantage) are
+    added to the distillation advantage with `reward_weight`. Metric sums: reverse_kl
+    (inference - teacher), mismatch_kl, is_capped_fraction, and "tokens" (the count).
+    """
+    mask = loss_mask.bool()
+    lp, old, inf, teacher = logprobs[mask], old_logprobs[mask], inference_logprobs[mask], teacher_logprobs[mask]  # [N]
+    advantage = (teacher - inf).detach()  # [N]: minus the per-token reverse KL estimate of the sampled token
+    if advantages is not None and reward_weight:
+        advantage = advantage + reward_weight * advantages[mask].detach()  # [N]
+    log_w, weight = behaviour_weight(old, inf, is_correction, is_cap)  # [N], [N]
+    ratio = torch.exp(lp - old)  # [N]: 1 in value with one update per batch; its gradient is grad log p
+    loss_sum = (-weight * ratio * advantage).sum()  # []
+    with torch.no_grad():
+        metrics = {
+            "reverse_kl": (inf - teacher).sum(),
+            "mismatch_kl": (torch.expm1(log_w) - log_w).sum(),
+            "is_capped_fraction": (torch.exp(log_w) > is_cap).float().sum(),
+            "tokens": torch.tensor(float(lp.numel()), device=lp.device),
+        }
+    return loss_sum, metrics
+
+
+def opd_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    inference_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    is_correction: str = "token_truncate",
+    is_cap: float = 2.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """On-policy distillation: a per-token reverse KL to a teacher, as a policy gradient.
+
+    All tensors [B, T]. Per masked token: a = teacher_logprobs - inference_logprobs (detached;
+    the sampled token's negative reverse KL estimate log q(x) - log p(x), no discount over later
+    tokens), r = exp(logprobs - old_logprobs), w the behaviour weight exp(old - inference)
+    corrected as in `policy_loss`, l = -w r a. Aggregated as the sum over masked tokens / their
+    number. Metrics (means over masked tokens): reverse_kl = inference - teacher, mismatch_kl,
+    is_capped_fraction.
+    """
+    if is_correction not in IS_CORRECTIONS:
+        raise ValueError(f"opd_loss: is_correction must be one of {IS_CORRECTIONS}, got {is_correction!r}")
+    if is_cap <= 0:
+        raise ValueError(f"opd_loss: is_cap must be > 0, got {is_cap}")
+    loss_sum, sums = opd_loss_sums(logprobs, old_logprobs, inference_logprobs, teacher_logprobs, loss_mask,
+                                   is_correction=is_correction, is_cap=is_cap)
+    tokens = max(float(sums["tokens"]), 1.0)
+    return loss_sum / tokens, {name: float(sums[name]) / tokens for name in OPD_METRICS}

@@ -22,6 +22,7 @@ buffer; every rank gets an equal share of each batch (a broadcast inside the ste
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -78,6 +79,10 @@ class RolloutDataModule(L.LightningDataModule):
         progress_every: int = 10,
         tokenizer: str | None = None,
         chat_template_kwargs: dict | None = None,
+        teacher_model: str | None = None,
+        teacher_base_url: str | None = None,
+        teacher_api_key: str | None = None,
+        teacher_server: dict | None = None,
     ):
         """
         Args:
@@ -114,6 +119,12 @@ class RolloutDataModule(L.LightningDataModule):
             progress_every: print a rollout progress line every N steps (0: never).
             tokenizer: tokenizer name or path; defaults to the model's.
             chat_template_kwargs: extra variables for the chat template.
+            teacher_model: a frozen teacher (name or path) that scores every sampled token (on-policy
+                distillation, `lit_rl.modules.OPD`); lit-rl starts a vLLM server for it unless
+                `teacher_base_url` is given. It must share the policy's tokenizer (checked at start).
+            teacher_base_url: an existing vLLM server of the teacher (scoring uses `prompt_logprobs`).
+            teacher_api_key: that server's API key.
+            teacher_server: options of the managed teacher server (as `server`).
         """
         super().__init__()
         self.env = env
@@ -129,6 +140,9 @@ class RolloutDataModule(L.LightningDataModule):
         self.base_url, self.api_key, self.server_options = base_url, api_key, dict(server or {})
         self.batch_timeout, self.progress_every = batch_timeout, progress_every
         self.tokenizer_name, self.chat_template_kwargs = tokenizer, chat_template_kwargs
+        self.teacher_model, self.teacher_base_url = teacher_model, teacher_base_url
+        self.teacher_api_key, self.teacher_server = teacher_api_key, dict(teacher_server or {})
+        self.teacher_endpoint = None  # the teacher's managed server or teacher_base_url
         self.rollouts: ThreadedRolloutBuffer | None = None
         self.endpoint = None  # lit_rl.inference.server.Endpoint: the managed server or base_url
         self._server_lease = None
@@ -148,6 +162,10 @@ class RolloutDataModule(L.LightningDataModule):
             problems.append(f"data.enforce_filters: unknown {sorted(unknown)}; known: {list(FILTERS)}")
         if self.base_url and self.server_options:
             problems.append("give data.base_url (an existing server) or data.server options, not both")
+        if self.teacher_base_url and self.teacher_server:
+            problems.append("give data.teacher_base_url (an existing server) or data.teacher_server options, not both")
+        if self.teacher_server and not self.teacher_model:
+            problems.append("data.teacher_server options need data.teacher_model (the model to start a server for)")
         if self.batch_timeout <= 0:
             problems.append(f"data.batch_timeout must be > 0, got {self.batch_timeout}")
         if not isinstance(self.env, Environment) and not callable(getattr(self.env, "rollout", None)):
@@ -174,6 +192,10 @@ class RolloutDataModule(L.LightningDataModule):
     def resolve_tokenizer(self) -> str:
         return resolve_tokenizer_name(self)
 
+    @property
+    def has_teacher(self) -> bool:
+        return bool(self.teacher_model or self.teacher_base_url)
+
     def _num_batches(self) -> int | None:
         steps = self.trainer.max_steps if self.trainer is not None else -1
         return steps if steps is not None and steps > 0 else None
@@ -186,6 +208,7 @@ class RolloutDataModule(L.LightningDataModule):
         root = Path(self.trainer.default_root_dir).resolve()
         trust = bool(getattr(self.trainer.lightning_module, "trust_remote_code", False))
         tokenizer = load_tokenizer(self.resolve_tokenizer(), trust_remote_code=trust)  # built-in names too
+        teacher = self._start_teacher(tokenizer, trust)
         options = {}
         if self.base_url is None:
             options = {"log_path": root / "vllm.log", **self.server_options}
@@ -206,17 +229,51 @@ class RolloutDataModule(L.LightningDataModule):
             num_retries=self.num_retries, on_failure=self.on_failure, scale=self.scale,
             skip_zero_advantage=self.skip_zero_advantage, filters=filters,
             requests_per_minute=self.requests_per_minute, seed=self.seed,
-            chat_template_kwargs=self.chat_template_kwargs,
+            chat_template_kwargs=self.chat_template_kwargs, teacher=teacher,
         )
         if self._saved_state is not None:
             buffer.load_state_dict(self._saved_state)
-        else:  # a fresh run: the trace of an earlier run in this directory describes other weights
-            (root / "rollouts" / "trained.jsonl").unlink(missing_ok=True)
+        else:  # a fresh run: the traces of an earlier run in this directory describe other weights
+            for old in (root / "rollouts").glob("trained*.jsonl"):
+                old.unlink(missing_ok=True)
         self.rollouts = ThreadedRolloutBuffer(buffer)
         if self.base_url is not None:  # an existing server: make it serve exactly the weights being trained
             self.rollouts.run(lambda client: client.reload_weights(weights), timeout=self.batch_timeout)
         self.rollouts.set_version(version)
         self.rollouts.start()
+
+    def _start_teacher(self, tokenizer: Any, trust: bool):
+        """The teacher's endpoint (started or existing) and a factory of its clients; None without a
+        teacher. Its tokenizer must be the policy's: checked before any teacher server starts when
+        `teacher_model` names it, else from the server's model directory."""
+        from lit_rl.inference.server import open_endpoint
+        from lit_rl.rollouts.teacher import tokenizer_mismatch
+
+        if not self.has_teacher:
+            return None
+        if self.teacher_model:
+            problem = tokenizer_mismatch(tokenizer, load_tokenizer(self.teacher_model, trust_remote_code=trust))
+            if problem:
+                raise ValueError(f"RolloutDataModule: the teacher {self.teacher_model} {problem}")
+        options = {}
+        if self.teacher_base_url is None:
+            root = Path(self.trainer.default_root_dir).resolve()
+            options = {"log_path": root / "vllm_teacher.log", "dev_mode": False, **self.teacher_server}
+            rank_zero_info(f"RolloutDataModule: starting the teacher's vLLM on {self.teacher_model} "
+                           f"(log: {options['log_path']})")
+        self.teacher_endpoint = open_endpoint(base_url=self.teacher_base_url, model=self.teacher_model,
+                                              api_key=self.teacher_api_key, **options)
+        endpoint = self.teacher_endpoint
+        if not self.teacher_model:  # only the server knows what it serves
+
+            async def served_tokenizer():
+                async with endpoint.client() as client:
+                    return await client.tokenizer()
+
+            problem = tokenizer_mismatch(tokenizer, asyncio.run(served_tokenizer()))
+            if problem:
+                raise ValueError(f"RolloutDataModule: the teacher at {self.teacher_base_url} {problem}")
+        return lambda: endpoint.client(tokenizer=tokenizer)
 
     def sync(self, weights: Path, version: int, timeout: float) -> None:
         """After optimizer step `version`: the server serves `weights`, new rollouts are stamped
@@ -229,9 +286,11 @@ class RolloutDataModule(L.LightningDataModule):
         rollouts, self.rollouts = self.rollouts, None
         if rollouts is not None:
             rollouts.close()
-        endpoint, self.endpoint = self.endpoint, None
-        if endpoint is not None:
-            endpoint.stop()
+        for name in ("endpoint", "teacher_endpoint"):
+            endpoint = getattr(self, name)
+            setattr(self, name, None)
+            if endpoint is not None:
+                endpoint.stop()
         if self._server_lease is not None:
             self._server_lease.__exit__(None, None, None)
             self._server_lease = None

@@ -111,6 +111,7 @@ class RolloutBuffer:
         requests_per_minute: float | None = None,
         seed: int = 0,
         chat_template_kwargs: dict | None = None,
+        teacher: InferenceClient | Callable[[], InferenceClient] | None = None,
     ) -> None:
         """
         Args:
@@ -143,6 +144,10 @@ class RolloutBuffer:
                 rate-limited endpoints; one attempt may send several requests).
             seed: seed of the task order (a fresh shuffle of `env.tasks()` every epoch).
             chat_template_kwargs: passed to the chat template by rollouts (e.g. enable_thinking).
+            teacher: a client of a frozen teacher's server (or a factory, as for `client`):
+                every accepted group is scored by it as part of its rollout (one prefill per
+                sample, concurrently), filling each sample's `teacher_logprobs` on its
+                trained tokens (on-policy distillation). None: no teacher.
         """
         max_concurrency = batch_size if max_concurrency is None else max_concurrency
         filters = default_filters() if filters is None else tuple(filters)
@@ -188,6 +193,8 @@ class RolloutBuffer:
         self.env_name = str(getattr(env, "name", None) or type(env).__name__)
         self._client_factory = None if hasattr(client, "generate") else client
         self._client = client if self._client_factory is None else None
+        self._teacher_factory = teacher if teacher is not None and not hasattr(teacher, "score") else None
+        self._teacher = teacher if self._teacher_factory is None else None
         self.tokenizer = tokenizer
         self.sampling = sampling or TrainSampling()
         self.batch_size, self.group_size = batch_size, group_size
@@ -213,6 +220,8 @@ class RolloutBuffer:
         self.counters = {"failed": 0, "skipped_zero_advantage": 0, "filtered": 0, "retries": 0,
                          "completion_tokens": 0, **{f"flagged_{name}": 0 for name in names}}
         self._last: dict[str, float] = {}  # metrics of the last popped batch
+        self._teacher_s = 0.0  # seconds spent in teacher scoring, over scored groups
+        self._teacher_groups = 0
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -229,6 +238,8 @@ class RolloutBuffer:
         """Create the client (from the factory) and the tokenizer if needed; returns the client."""
         if self._client is None:
             self._client = self._client_factory()
+        if self._teacher is None and self._teacher_factory is not None:
+            self._teacher = self._teacher_factory()
         if self.tokenizer is None:
             self.tokenizer = await self._client.tokenizer()
         return self._client
@@ -258,6 +269,8 @@ class RolloutBuffer:
         await asyncio.gather(*tasks, return_exceptions=True)
         if (self._client_factory is not None if close_client is None else close_client) and self._client is not None:
             await self._client.aclose()
+        if self._teacher_factory is not None and self._teacher is not None:
+            await self._teacher.aclose()
         self._wake()
 
     async def __aenter__(self) -> RolloutBuffer:
@@ -389,7 +402,9 @@ class RolloutBuffer:
                 await asyncio.sleep(self.retry_backoff * 2 ** (attempt - 1))
             await self._pace()
             try:
-                group = await asyncio.wait_for(self.env.rollout(task, ctx), self.rollout_timeout)
+                group = await asyncio.wait_for(self._attempt(task, ctx, draw, index), self.rollout_timeout)
+            except _ContractError as e:
+                return self._fatal(RolloutError(str(e)))
             except Exception as e:  # CancelledError is not an Exception: cancellation passes through
                 error = e
                 log.debug("%s failed (attempt %d): %r", self._where(draw, index), attempt + 1, e)
@@ -400,6 +415,26 @@ class RolloutBuffer:
                 self._fatal(RolloutError(str(e)))
             return
         self._give_up(task_id, draw, index, error)
+
+    async def _attempt(self, task: dict, ctx: RolloutContext, draw: int, index: int) -> Any:
+        """One attempt: the environment's rollout, then (with a teacher) its scoring."""
+        group = await self.env.rollout(task, ctx)
+        if self._teacher is None:
+            return group
+        return await self._teacher_scores(self._check_group(group, draw, index))
+
+    async def _teacher_scores(self, samples: list[Sample]) -> list[Sample]:
+        """The samples with `teacher_logprobs`: the teacher's logprob of each trained token (0
+        elsewhere), from one prefill per sample, all at once."""
+        start = time.monotonic()
+        try:
+            scores = await asyncio.gather(*(self._teacher.score(s.input_ids) for s in samples))
+        except InferenceServerError as e:
+            raise InferenceServerError(f"the teacher server failed: {e}") from e
+        self._teacher_s += time.monotonic() - start
+        self._teacher_groups += 1
+        return [dataclasses.replace(s, teacher_logprobs=[lp if m else 0.0 for lp, m in zip(lps, s.loss_mask)])
+                for s, lps in zip(samples, scores)]
 
     def _accept(self, task_id: int, draw: int, index: int, version: int, group: Any) -> None:
         samples = self._check_group(group, draw, index)
@@ -514,6 +549,8 @@ class RolloutBuffer:
             "rollout/dropped": float(s.dropped_groups),
             **{f"rollout/{k}": float(v) for k, v in self.counters.items() if k != "failed"},
             "rollout/tokens_per_s": self._session_tokens / elapsed if elapsed > 0 else 0.0,
+            **({"rollout/teacher_s_per_group": self._teacher_s / max(self._teacher_groups, 1)}
+               if self._teacher is not None or self._teacher_factory is not None else {}),
         }
 
     def progress(self) -> str:
@@ -528,6 +565,8 @@ class RolloutBuffer:
         parts.append(f"rejected {int(m['rollout/rejected'])} dropped {int(m['rollout/dropped'])} "
                      f"skipped {int(m['rollout/skipped_zero_advantage'])} filtered {int(m['rollout/filtered'])}")
         parts.append(f"{m['rollout/tokens_per_s']:.0f} tok/s")
+        if "rollout/teacher_s_per_group" in m:
+            parts.append(f"teacher {m['rollout/teacher_s_per_group']:.2f} s/group")
         return " | ".join(parts)
 
     # -- checkpointing --------------------------------------------------------------------
