@@ -47,6 +47,7 @@ from lit_rl.run_dir import lease
 log = logging.getLogger(__name__)
 
 FILTERS = ("gibberish", "repetition")
+SOURCES = ("policy", "teacher")
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -83,6 +84,7 @@ class RolloutDataModule(L.LightningDataModule):
         teacher_base_url: str | None = None,
         teacher_api_key: str | None = None,
         teacher_server: dict | None = None,
+        source: str = "policy",
     ):
         """
         Args:
@@ -125,6 +127,10 @@ class RolloutDataModule(L.LightningDataModule):
             teacher_base_url: an existing vLLM server of the teacher (scoring uses `prompt_logprobs`).
             teacher_api_key: that server's API key.
             teacher_server: options of the managed teacher server (as `server`).
+            source: who samples the completions: ``policy`` (the model being trained, through
+                its own server; GRPO, OPD) or ``teacher`` (the frozen teacher: its completions
+                are cross-entropy data for SFT, its exact token ids trained as they are; no
+                policy server, no WeightSync).
         """
         super().__init__()
         self.env = env
@@ -143,6 +149,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.teacher_model, self.teacher_base_url = teacher_model, teacher_base_url
         self.teacher_api_key, self.teacher_server = teacher_api_key, dict(teacher_server or {})
         self.teacher_endpoint = None  # the teacher's managed server or teacher_base_url
+        self.source = source
         self.rollouts: ThreadedRolloutBuffer | None = None
         self.endpoint = None  # lit_rl.inference.server.Endpoint: the managed server or base_url
         self._server_lease = None
@@ -164,6 +171,14 @@ class RolloutDataModule(L.LightningDataModule):
             problems.append("give data.base_url (an existing server) or data.server options, not both")
         if self.teacher_base_url and self.teacher_server:
             problems.append("give data.teacher_base_url (an existing server) or data.teacher_server options, not both")
+        if self.source not in SOURCES:
+            problems.append(f"data.source must be one of {SOURCES}, got {self.source!r}")
+        if self.source == "teacher" and not self.has_teacher:
+            problems.append("data.source 'teacher' needs a model to sample from: data.teacher_base_url (an existing "
+                            "server) is not set and there is no data.teacher_model to start one for")
+        if self.source == "teacher" and (self.base_url or self.server_options):
+            problems.append("data.base_url and data.server are the policy's server; data.source 'teacher' samples from "
+                            "the teacher (data.teacher_base_url, data.teacher_server)")
         if self.teacher_server and not self.teacher_model:
             problems.append("data.teacher_server options need data.teacher_model (the model to start a server for)")
         if self.batch_timeout <= 0:
@@ -183,11 +198,32 @@ class RolloutDataModule(L.LightningDataModule):
             problems.append(f"data.batch_size ({self.batch_size}) must be divisible by the number of ranks ({world})")
         if stage not in (None, "fit"):
             problems.append(f"RolloutDataModule trains only (lit-rl fit); {stage!r} needs held-out data")
-        if self.trainer is not None and not any(type(c).__name__ == "WeightSync" for c in self.trainer.callbacks):
-            problems.append("RolloutDataModule needs the WeightSync callback (trainer.callbacks: "
-                            "- class_path: lit_rl.callbacks.WeightSync): it starts the server and syncs the weights")
+        if self.trainer is not None:
+            problems += self._trainer_problems()
         if problems:
             raise ValueError("RolloutDataModule: " + str(len(problems)) + " problem(s):\n  - " + "\n  - ".join(problems))
+
+    def _trainer_problems(self) -> list[str]:
+        """What this source cannot do with the run's module and callbacks."""
+        problems = []
+        syncs = any(type(c).__name__ == "WeightSync" for c in self.trainer.callbacks)
+        kind = getattr(self.trainer.lightning_module, "loss_kind", None)
+        if self.source == "policy":
+            if not syncs:
+                problems.append("RolloutDataModule needs the WeightSync callback (trainer.callbacks: "
+                                "- class_path: lit_rl.callbacks.WeightSync): it starts the server and syncs the weights")
+            if kind == "cross_entropy":
+                problems.append("SFT may not train on the policy's own samples (data.source 'policy'): sample from a "
+                                "teacher (data.source 'teacher') or train on a dataset (StaticDataModule)")
+        else:
+            if syncs:
+                problems.append(f"data.source {self.source!r} samples from a frozen model: remove the WeightSync "
+                                "callback, which would load the trained weights into it")
+            if kind not in (None, "cross_entropy"):
+                problems.append(f"data.source {self.source!r} is not the policy's own samples, so it can only feed a "
+                                f"cross-entropy loss (lit_rl.modules.SFT), not {kind} "
+                                f"({type(self.trainer.lightning_module).__name__})")
+        return problems
 
     def resolve_tokenizer(self) -> str:
         return resolve_tokenizer_name(self)
@@ -201,14 +237,19 @@ class RolloutDataModule(L.LightningDataModule):
         return steps if steps is not None and steps > 0 else None
 
     # ---- the server and the rollouts (rank 0; WeightSync drives these) ------------------------------
-    def start(self, weights: Path, version: int) -> None:
-        """Serve `weights` (the policy after `version` optimizer steps) and start rollouts. Rank 0."""
+    def start(self, weights: Path | None, version: int) -> None:
+        """Serve `weights` (the policy after `version` optimizer steps) and start rollouts; with
+        the teacher source, start the teacher's rollouts (`weights` unused). Rank 0."""
         from lit_rl.inference.server import open_endpoint
 
         root = Path(self.trainer.default_root_dir).resolve()
         trust = bool(getattr(self.trainer.lightning_module, "trust_remote_code", False))
         tokenizer = load_tokenizer(self.resolve_tokenizer(), trust_remote_code=trust)  # built-in names too
         teacher = self._start_teacher(tokenizer, trust)
+        if self.source == "teacher":  # the teacher samples: no policy server, no versions
+            self._start_rollouts(teacher, tokenizer, None, root)
+            self.rollouts.start()
+            return
         options = {}
         if self.base_url is None:
             options = {"log_path": root / "vllm.log", **self.server_options}
@@ -218,18 +259,28 @@ class RolloutDataModule(L.LightningDataModule):
         self.endpoint = open_endpoint(base_url=self.base_url, model=weights, api_key=self.api_key, allowed_root=root,
                                       **options)
         endpoint = self.endpoint
-        make_client = lambda: endpoint.client(tokenizer=tokenizer)  # noqa: E731
+        self._start_rollouts(lambda: endpoint.client(tokenizer=tokenizer), tokenizer, teacher, root)
+        if self.base_url is not None:  # an existing server: make it serve exactly the weights being trained
+            self.rollouts.run(lambda client: client.reload_weights(weights), timeout=self.batch_timeout)
+        self.rollouts.set_version(version)
+        self.rollouts.start()
+
+    def _start_rollouts(self, make_client, tokenizer: Any, teacher, root: Path) -> None:
+        """The rollout buffer on its own thread (not started yet), sampling through `make_client()`
+        clients, scored by `teacher()` clients when given."""
         filters = [GibberishFilter(enforce="gibberish" in self.enforce_filters),
                    RepetitionFilter(enforce="repetition" in self.enforce_filters)]
         buffer = RolloutBuffer(
             self.env, make_client, tokenizer,
             TrainSampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k),
             batch_size=self.batch_size, group_size=self.group_size, max_concurrency=self.max_concurrency,
-            max_staleness=self.max_staleness, drop_stale=self.drop_stale, num_batches=self._num_batches(),
+            max_staleness=self.max_staleness if self.source == "policy" else None,  # teacher samples never age
+            drop_stale=self.drop_stale, num_batches=self._num_batches(),
             num_retries=self.num_retries, on_failure=self.on_failure, scale=self.scale,
             skip_zero_advantage=self.skip_zero_advantage, filters=filters,
             requests_per_minute=self.requests_per_minute, seed=self.seed,
             chat_template_kwargs=self.chat_template_kwargs, teacher=teacher,
+            source="teacher" if self.source == "teacher" else "rollout",
         )
         if self._saved_state is not None:
             buffer.load_state_dict(self._saved_state)
@@ -237,10 +288,6 @@ class RolloutDataModule(L.LightningDataModule):
             for old in (root / "rollouts").glob("trained*.jsonl"):
                 old.unlink(missing_ok=True)
         self.rollouts = ThreadedRolloutBuffer(buffer)
-        if self.base_url is not None:  # an existing server: make it serve exactly the weights being trained
-            self.rollouts.run(lambda client: client.reload_weights(weights), timeout=self.batch_timeout)
-        self.rollouts.set_version(version)
-        self.rollouts.start()
 
     def _start_teacher(self, tokenizer: Any, trust: bool):
         """The teacher's endpoint (started or existing) and a factory of its clients; None without a
@@ -313,6 +360,8 @@ class RolloutDataModule(L.LightningDataModule):
         wait_start = time.perf_counter()
         payload = None
         if trainer.is_global_zero:
+            if self.rollouts is None and self.source == "teacher":  # no WeightSync to start it: the first step does
+                self.start(None, trainer.global_step)
             if self.rollouts is None:
                 raise RuntimeError("RolloutDataModule: rollouts were not started (is the WeightSync callback there?)")
             batch = self.rollouts.next_batch(timeout=self.batch_timeout)
@@ -375,6 +424,7 @@ class RolloutDataModule(L.LightningDataModule):
 def _rollout_stats(samples, staleness: list[int]) -> dict[str, float]:
     """What GRPO logs about the step's data (every rank computes them from the whole batch)."""
     rewards = [s.reward for s in samples]
+    staleness = [age for s, age in zip(samples, staleness) if s.has_sampling_logprobs] or [0]  # others never age
     advantages = [next((a for a, m in zip(s.advantages, s.loss_mask) if m), 0.0) for s in samples]
     lengths = [sum(s.loss_mask) for s in samples]
     mean_adv = sum(advantages) / len(advantages)

@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 
 
 class CausalLMModule(L.LightningModule):
+    # what the loss does with the tokens: "cross_entropy" (any source), "policy_gradient" and
+    # "distillation" (the policy's own samples only); data modules check it against their source
+    loss_kind: str | None = None
+
     def __init__(
         self,
         model: str = "lit-rl:tiny_qwen3",

@@ -33,6 +33,8 @@ from lit_rl.modules.model_loading import load_causal_lm
 
 
 class GRPO(CausalLMModule):
+    loss_kind = "policy_gradient"
+
     def __init__(
         self,
         *args,

@@ -28,6 +28,8 @@ from lit_rl.modules.base import CausalLMModule
 
 
 class OPD(CausalLMModule):
+    loss_kind = "distillation"
+
     def __init__(
         self,
         *args,

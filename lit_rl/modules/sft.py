@@ -14,5 +14,7 @@ from lit_rl.modules.base import CausalLMModule
 
 
 class SFT(CausalLMModule):
+    loss_kind = "cross_entropy"
+
     def micro_batch_loss_sum(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.target_cross_entropy_sum(micro_batch)

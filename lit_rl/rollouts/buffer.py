@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 STATE_FORMAT = 1
 ON_FAILURE = ("reject", "raise")
+SOURCES = ("rollout", "teacher")
 
 
 class RolloutError(RuntimeError):
@@ -112,6 +113,7 @@ class RolloutBuffer:
         seed: int = 0,
         chat_template_kwargs: dict | None = None,
         teacher: InferenceClient | Callable[[], InferenceClient] | None = None,
+        source: str = "rollout",
     ) -> None:
         """
         Args:
@@ -148,6 +150,10 @@ class RolloutBuffer:
                 every accepted group is scored by it as part of its rollout (one prefill per
                 sample, concurrently), filling each sample's `teacher_logprobs` on its
                 trained tokens (on-policy distillation). None: no teacher.
+            source: who `client` samples from: "rollout" (the policy) or "teacher" (a frozen
+                teacher whose completions are SFT data): then every sample's `source` is
+                "teacher", its sampling logprobs move to `teacher_logprobs` and `logprobs` is
+                None (they are not the policy's: no staleness, exempt from logprob filters).
         """
         max_concurrency = batch_size if max_concurrency is None else max_concurrency
         filters = default_filters() if filters is None else tuple(filters)
@@ -174,6 +180,10 @@ class RolloutBuffer:
             problems.append(f"max_consecutive_failures must be an int >= 1 or None, got {max_consecutive_failures!r}")
         if rollout_timeout is not None and (not _is_number(rollout_timeout) or rollout_timeout <= 0):
             problems.append(f"rollout_timeout must be a number > 0 or None, got {rollout_timeout!r}")
+        if source not in SOURCES:
+            problems.append(f"source must be one of {SOURCES}, got {source!r}")
+        if source == "teacher" and teacher is not None:
+            problems.append("source 'teacher' samples from the teacher itself; give no separate teacher to score them")
         if scale not in SCALES:
             problems.append(f"scale must be one of {SCALES}, got {scale!r}")
         if requests_per_minute is not None and (not _is_number(requests_per_minute) or requests_per_minute <= 0):
@@ -203,6 +213,7 @@ class RolloutBuffer:
         self.scale, self.skip_zero_advantage, self.filters = scale, skip_zero_advantage, filters
         self.requests_per_minute, self.seed = requests_per_minute, seed
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.source = source
 
         self._tasks_list: list[dict] | None = None
         self._perm: tuple[int, list[int]] | None = None  # (epoch, shuffled task indices)
@@ -444,6 +455,9 @@ class RolloutBuffer:
                 "completion_tokens": s.num_targets})
             for member, s in enumerate(samples)
         ]
+        if self.source == "teacher":  # the teacher's samples: SFT data, not the policy's behaviour
+            samples = [dataclasses.replace(s, source="teacher", logprobs=None, teacher_logprobs=s.logprobs)
+                       for s in samples]
         tokens = sum(s.num_targets for s in samples)
         self.counters["completion_tokens"] += tokens
         self._session_tokens += tokens

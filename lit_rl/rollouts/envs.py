@@ -228,6 +228,48 @@ class ReverseTextEnv(Environment):
         return lcs_ratio(completion.strip(), task["text"][::-1])
 
 
+class PromptsEnv(Environment):
+    """Prompts from a dataset and no reward: what a teacher answers for SFT (`data.source:
+    teacher`). Each row's `column` is a string (one user message), a list of chat messages, or
+    a `messages` conversation whose trailing assistant turns are dropped (the teacher writes
+    its own). The reward is 0 for every completion."""
+
+    default_name = "prompts"
+
+    def __init__(self, path: str, column: str = "prompt", split: str = "train", **kwargs):
+        """
+        Args:
+            path: a local json/jsonl/parquet/csv file, a saved dataset or a hub name.
+            column: the column holding each row's prompt (a string or chat messages).
+            split: the split, for hub datasets and saved dataset dictionaries.
+        """
+        super().__init__(**kwargs)
+        self.path, self.column, self.split = path, column, split
+
+    def load_tasks(self) -> list[dict]:
+        rows = open_split(self.path, split=self.split)
+        if self.column not in rows.column_names:
+            raise ValueError(f"PromptsEnv: {self.path} has no column {self.column!r} (columns: {rows.column_names})")
+        tasks = []
+        for i, value in enumerate(rows[self.column]):
+            if isinstance(value, str):
+                messages = [{"role": "user", "content": value}]
+            elif isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value):
+                messages = list(value)
+                while messages and messages[-1]["role"] == "assistant":
+                    messages.pop()
+            else:
+                messages = []
+            if not messages:
+                raise ValueError(f"PromptsEnv: row {i} of {self.path}, column {self.column!r}: expected a string or "
+                                 f"chat messages ending before an answer, got {value!r:.200}")
+            tasks.append({"id": str(i), "prompt": messages})
+        return tasks
+
+    def reward(self, completion: str, task: dict) -> float:
+        return 0.0
+
+
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 _INT = re.compile(r"-?\d+")
 

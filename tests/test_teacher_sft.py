@@ -1,0 +1,103 @@
+"""SFT on a frozen teacher's completions (`RolloutDataModule(source="teacher")`): the samples
+carry the teacher's exact ids and no policy logprobs, the start-up checks report every problem
+at once, and a real CLI run trains on them.
+
+The session's vLLM server plays the teacher (nothing reloads it: there is no WeightSync).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from helpers import REPO, TINY_MODEL, reverse_rows, write_jsonl
+from test_cli import metrics_rows, run
+from test_rollout_buffer import FAST, LOGPROB_TOL, TOK, collect, hf_logprobs
+
+from lit_rl.rollouts.buffer import RolloutBuffer
+from lit_rl.rollouts.context import TrainSampling
+from lit_rl.rollouts.envs import PromptsEnv, ReverseTextEnv
+from lit_rl.rollouts.filters import GibberishFilter
+
+CONFIG = str(REPO / "examples" / "reverse_text" / "sft_teacher.yaml")
+GRPO_CONFIG = str(REPO / "examples" / "reverse_text" / "grpo.yaml")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("teacher_sft_data") / "train.jsonl", reverse_rows(40))
+
+
+def test_teacher_samples_keep_the_teachers_ids_and_carry_no_policy_logprobs(vllm_server, data):
+    """Every sample is the teacher's: `logprobs` None (no staleness, no logprob filters) and its
+    sampling logprobs kept as `teacher_logprobs`, equal to HF's logprobs of the teacher on the
+    sample's ids, which shows the ids are exactly the sampled ones. A gibberish filter that
+    flags every token of a random model flags none of them."""
+    flag_all = GibberishFilter(threshold=0.0, run=1, enforce=True)
+    buffer = RolloutBuffer(ReverseTextEnv(data), vllm_server.client, TOK, TrainSampling(max_tokens=8), batch_size=4,
+                           group_size=2, num_batches=2, filters=[flag_all], source="teacher", **FAST)
+    batches = asyncio.run(collect(buffer))
+    worst = 0.0
+    for s in (s for b in batches for s in b):
+        assert s.source == "teacher" and s.logprobs is None and not s.has_sampling_logprobs
+        n = s.loss_mask.index(True)
+        assert all(s.loss_mask[n:]) and s.teacher_logprobs[:n] == [0.0] * n
+        ref = hf_logprobs(vllm_server.model_dir, s.input_ids)
+        worst = max(worst, max(abs(a - b) for a, b in zip(s.teacher_logprobs[n:], ref[n:])))
+    assert worst < LOGPROB_TOL
+    assert buffer.counters["flagged_gibberish"] == 0 and buffer.counters["filtered"] == 0
+
+
+def test_prompts_env_reads_strings_and_conversations(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "hello"},
+        {"prompt": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "drop me"}]},
+    ])
+    tasks = PromptsEnv(path).tasks()
+    assert [t["prompt"] for t in tasks] == [[{"role": "user", "content": "hello"}], [{"role": "user", "content": "hi"}]]
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"prompt": [{"role": "assistant", "content": "x"}]}])
+    with pytest.raises(ValueError, match="row 1 of .*column 'prompt'"):
+        PromptsEnv(bad).tasks()
+    with pytest.raises(ValueError, match="no column 'question'"):
+        PromptsEnv(path, column="question").tasks()
+
+
+def sft_args(root, data, *extra):
+    return ["fit", "--config", CONFIG, "--model.init_args.model", TINY_MODEL, "--model.init_args.random_init", "true",
+            "--data.init_args.env.init_args.path", data, "--data.init_args.batch_size", "4",
+            "--data.init_args.group_size", "2", "--data.init_args.max_tokens", "8",
+            "--trainer.default_root_dir", str(root), *extra]
+
+
+def test_every_source_problem_is_reported_at_once_before_any_server(data, tmp_path):
+    # GRPO (a policy-gradient loss) from a teacher source with no teacher, and WeightSync still there
+    out = run(["fit", "--config", GRPO_CONFIG, "--model.init_args.model", TINY_MODEL, "--model.init_args.random_init",
+               "true", "--data.init_args.env.init_args.path", data, "--data.init_args.source", "teacher",
+               "--data.init_args.server", "{}", "--trainer.default_root_dir", str(tmp_path / "a"), "--trainer.max_steps", "2"])
+    assert out.returncode == 1, out.stderr[-3000:]
+    for words in ("needs a model to sample from: data.teacher_base_url", "remove the WeightSync",
+                  "can only feed a cross-entropy loss", "3 problem(s)"):
+        assert words in out.stderr, (words, out.stderr[-3000:])
+    # SFT on the policy's own samples
+    out = run(sft_args(tmp_path / "b", data, "--data.init_args.source", "policy", "--data.init_args.teacher_model", "null",
+                       "--data.init_args.teacher_server", "{}", "--trainer.max_steps", "2"))
+    assert out.returncode == 1 and "SFT may not train on the policy's own samples" in out.stderr, out.stderr[-3000:]
+    assert not list(tmp_path.glob("*/vllm*.log"))  # refused before any server started
+
+
+@pytest.mark.slow
+def test_sft_on_teacher_completions_through_the_cli(vllm_server, data, tmp_path):
+    root = tmp_path / "run"
+    out = run(sft_args(root, data, "--data.init_args.teacher_model", "null", "--data.init_args.teacher_server", "{}",
+                       "--data.init_args.teacher_base_url", vllm_server.base_url, "--trainer.max_steps", "3"))
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [r for r in metrics_rows(root) if r.get("train/loss")]
+    assert len(rows) == 3
+    for r in rows:
+        assert float(r["train/tokens"]) == pytest.approx(float(r["train/completion_length"]) * 4)  # the teacher's tokens
+        assert float(r["train/staleness_max"]) == 0.0  # teacher samples never age
+        assert float(r["train/loss"]) > 0
+    steps = [json.loads(line) for line in open(root / "rollouts" / "trained.jsonl")]
+    assert [s["step"] for s in steps] == [0, 1, 2] and all(len(s["samples"]) == 4 for s in steps)
+    assert (root / "weights" / "step_3").is_dir()  # HFExport still writes the student's checkpoints
