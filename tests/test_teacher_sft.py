@@ -49,6 +49,32 @@ def test_teacher_samples_keep_the_teachers_ids_and_carry_no_policy_logprobs(vllm
     assert buffer.counters["flagged_gibberish"] == 0 and buffer.counters["filtered"] == 0
 
 
+@pytest.mark.parametrize("max_staleness", [1, None])
+def test_a_teacher_runs_ahead_of_a_slow_consumer_only_as_far_as_the_bound(vllm_server, data, max_staleness):
+    """No policy versions here, so drawing a batch advances the buffer's version: with
+    max_staleness=1 at most batches k+1 and k+2 are waiting after batch k is drawn, however slow
+    the trainer (the data module's setting); unbounded, the teacher fills memory with samples
+    nobody trains (measured: 19,472 waiting after 20 steps of a real run before the bound)."""
+    buffer = RolloutBuffer(ReverseTextEnv(data), vllm_server.client, TOK, TrainSampling(max_tokens=4), batch_size=4,
+                           group_size=2, max_concurrency=8, max_staleness=max_staleness, source="teacher", **FAST)
+
+    async def slow_consumer():
+        waiting = []
+        async with buffer:
+            for _ in range(4):
+                await buffer.next_batch()
+                await asyncio.sleep(0.5)  # a training step
+                waiting.append(buffer.scheduler.waiting_samples)
+        return waiting
+
+    waiting = asyncio.run(slow_consumer())
+    print(f"max_staleness={max_staleness}: waiting after each step {waiting}")
+    if max_staleness == 1:
+        assert max(waiting) <= 2 * 4
+    else:
+        assert max(waiting) > 4 * 4  # the case the bound is for
+
+
 def test_prompts_env_reads_strings_and_conversations(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [
         {"prompt": "hello"},

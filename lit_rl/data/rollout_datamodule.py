@@ -274,7 +274,9 @@ class RolloutDataModule(L.LightningDataModule):
             self.env, make_client, tokenizer,
             TrainSampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k),
             batch_size=self.batch_size, group_size=self.group_size, max_concurrency=self.max_concurrency,
-            max_staleness=self.max_staleness if self.source == "policy" else None,  # teacher samples never age
+            # The teacher's samples never age; for them the bound keeps generation at most a batch
+            # ahead of training (the buffer advances its version as batches are drawn).
+            max_staleness=self.max_staleness if self.source == "policy" else 1,
             drop_stale=self.drop_stale, num_batches=self._num_batches(),
             num_retries=self.num_retries, on_failure=self.on_failure, scale=self.scale,
             skip_zero_advantage=self.skip_zero_advantage, filters=filters,

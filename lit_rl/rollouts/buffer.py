@@ -153,7 +153,9 @@ class RolloutBuffer:
             source: who `client` samples from: "rollout" (the policy) or "teacher" (a frozen
                 teacher whose completions are SFT data): then every sample's `source` is
                 "teacher", its sampling logprobs move to `teacher_logprobs` and `logprobs` is
-                None (they are not the policy's: no staleness, exempt from logprob filters).
+                None (they are not the policy's: no staleness, exempt from logprob filters);
+                the version advances as batches are drawn, so `max_staleness` bounds how many
+                batches generation runs ahead of the consumer (it would race ahead unbounded).
         """
         max_concurrency = batch_size if max_concurrency is None else max_concurrency
         filters = default_filters() if filters is None else tuple(filters)
@@ -307,6 +309,8 @@ class RolloutBuffer:
                 raise RuntimeError("RolloutBuffer is closed")
             batch = self._scheduler.pop_batch()
             if batch is not None:
+                if self.source == "teacher":  # no policy versions: each drawn batch lets the next start
+                    self._scheduler.set_version(batch.index + 1)
                 batch = self._finish(batch)
                 self._fill()
                 return batch
