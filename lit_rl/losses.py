@@ -45,18 +45,25 @@ IS_CORRECTIONS = ("token_truncate", "token_mask", "none")
 POLICY_METRICS = ("mismatch_kl", "clip_fraction", "is_capped_fraction")
 
 
+def check_behaviour_options(is_correction: str, is_cap: float) -> list[str]:
+    """Every problem with the behaviour-policy correction's options (`behaviour_weight`)."""
+    problems = []
+    if is_correction not in IS_CORRECTIONS:
+        problems.append(f"is_correction must be one of {IS_CORRECTIONS}, got {is_correction!r}")
+    if is_cap <= 0:
+        problems.append(f"is_cap must be > 0, got {is_cap}")
+    return problems
+
+
 def check_policy_loss_options(loss_type: str, is_correction: str, clip_low: float, clip_high: float, is_cap: float,
                               max_completion_length: int | None) -> list[str]:
     """Every problem with a combination of policy-loss options, for one error at start-up."""
     problems = []
     if loss_type not in LOSS_TYPES:
         problems.append(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    if is_correction not in IS_CORRECTIONS:
-        problems.append(f"is_correction must be one of {IS_CORRECTIONS}, got {is_correction!r}")
     if not 0 <= clip_low < 1 or clip_high < 0:
         problems.append(f"need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}")
-    if is_cap <= 0:
-        problems.append(f"is_cap must be > 0, got {is_cap}")
+    problems += check_behaviour_options(is_correction, is_cap)
     if loss_type == "dr_grpo" and (max_completion_length is None or max_completion_length < 1):
         problems.append(f"loss_type 'dr_grpo' needs max_completion_length >= 1, got {max_completion_length}")
     return problems
@@ -76,6 +83,13 @@ def behaviour_weight(old_logprobs: torch.Tensor, inference_logprobs: torch.Tenso
     if is_correction == "none":
         return log_w, torch.ones_like(w)
     raise ValueError(f"is_correction must be one of {IS_CORRECTIONS}, got {is_correction!r}")
+
+
+def behaviour_metric_sums(log_w: torch.Tensor, is_cap: float) -> dict[str, torch.Tensor]:
+    """Sums over tokens of how far the sampler is from the trainer: mismatch_kl, w - log w - 1
+    of the uncapped w (exact for tiny gaps), and is_capped_fraction, tokens with w > is_cap."""
+    with torch.no_grad():
+        return {"mismatch_kl": (torch.expm1(log_w) - log_w).sum(), "is_capped_fraction": (log_w.exp() > is_cap).float().sum()}
 
 
 def policy_loss_sums(
@@ -122,7 +136,6 @@ def policy_loss_sums(
     clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [N]
     objective = torch.minimum(ratio * adv, clipped_ratio * adv)  # [N]
     log_w, weight = behaviour_weight(old, inf, is_correction, is_cap)  # [N], [N]
-    w = torch.exp(log_w)  # [N]
     token_loss = -weight * objective  # [N]
     if extra_token_loss is not None:
         token_loss = token_loss + extra_token_loss[mask]  # [N]
@@ -135,9 +148,8 @@ def policy_loss_sums(
     with torch.no_grad():
         clipped = ((ratio < 1.0 - clip_low) & (adv < 0)) | ((ratio > 1.0 + clip_high) & (adv > 0))  # [N]
         metrics = {
-            "mismatch_kl": (torch.expm1(log_w) - log_w).sum(),  # w - log w - 1 (uncapped w), exact for tiny gaps
+            **behaviour_metric_sums(log_w, is_cap),
             "clip_fraction": clipped.float().sum(),
-            "is_capped_fraction": (w > is_cap).float().sum(),
             "tokens": torch.tensor(float(lp.numel()), device=lp.device),
         }
     return loss_sum, metrics
@@ -243,8 +255,7 @@ def opd_loss_sums(
     with torch.no_grad():
         metrics = {
             "reverse_kl": (inf - teacher).sum(),
-            "mismatch_kl": (torch.expm1(log_w) - log_w).sum(),
-            "is_capped_fraction": (torch.exp(log_w) > is_cap).float().sum(),
+            **behaviour_metric_sums(log_w, is_cap),
             "tokens": torch.tensor(float(lp.numel()), device=lp.device),
         }
     return loss_sum, metrics
@@ -269,10 +280,9 @@ def opd_loss(
     number. Metrics (means over masked tokens): reverse_kl = inference - teacher, mismatch_kl,
     is_capped_fraction.
     """
-    if is_correction not in IS_CORRECTIONS:
-        raise ValueError(f"opd_loss: is_correction must be one of {IS_CORRECTIONS}, got {is_correction!r}")
-    if is_cap <= 0:
-        raise ValueError(f"opd_loss: is_cap must be > 0, got {is_cap}")
+    problems = check_behaviour_options(is_correction, is_cap)
+    if problems:
+        raise ValueError("opd_loss: " + "; ".join(problems))
     loss_sum, sums = opd_loss_sums(logprobs, old_logprobs, inference_logprobs, teacher_logprobs, loss_mask,
                                    is_correction=is_correction, is_cap=is_cap)
     tokens = max(float(sums["tokens"]), 1.0)

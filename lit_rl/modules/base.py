@@ -235,6 +235,18 @@ class CausalLMModule(L.LightningModule):
         and logged as ``train/<name> = sum / count``. Subclasses define it."""
         raise NotImplementedError
 
+    @staticmethod
+    def token_means(sums: dict[str, torch.Tensor], names, entropy: torch.Tensor | None,
+                    mask: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Metrics logged as means over the step's trained tokens, in `micro_batch_loss_sum`'s
+        ``{name: (sum, count)}`` form: each of `names` from a loss's metric sums (which count
+        their tokens in ``sums["tokens"]``), plus the mean `entropy` [B, T] at `mask` if given."""
+        tokens = sums["tokens"]
+        metrics = {name: (sums[name], tokens) for name in names}
+        if entropy is not None:
+            metrics["entropy"] = (entropy.detach()[mask].sum(), tokens)
+        return metrics
+
     def loss_normaliser(self, micro_batch: dict[str, torch.Tensor]) -> float:
         """The micro-batch's part of what the step's loss sum is divided by; summed over the step's
         micro-batches and ranks before any backward. Default: its trained tokens (SFT)."""

@@ -124,10 +124,7 @@ class GRPO(CausalLMModule):
             is_correction=self.is_correction, is_cap=self.is_cap,
             extra_token_loss=None if kl is None else self.kl_coef * kl,
         )
-        tokens = sums["tokens"]
-        metrics = {name: (sums[name], tokens) for name in POLICY_METRICS}
-        if entropy is not None:
-            metrics["entropy"] = (entropy.detach()[mask].sum(), tokens)
+        metrics = self.token_means(sums, POLICY_METRICS, entropy, mask)
         if kl is not None:
-            metrics["kl_to_reference"] = (kl.detach()[mask].sum(), tokens)
+            metrics["kl_to_reference"] = (kl.detach()[mask].sum(), sums["tokens"])
         return loss_sum, metrics

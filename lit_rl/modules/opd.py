@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from lit_rl.losses import IS_CORRECTIONS, OPD_METRICS, opd_loss_sums
+from lit_rl.losses import OPD_METRICS, check_behaviour_options, opd_loss_sums
 from lit_rl.modules.base import CausalLMModule
 
 
@@ -51,11 +51,7 @@ class OPD(CausalLMModule):
             *args, **kwargs: the `CausalLMModule` arguments (model, optimizer, ...).
         """
         super().__init__(*args, **kwargs)
-        problems = []
-        if is_correction not in IS_CORRECTIONS:
-            problems.append(f"is_correction must be one of {IS_CORRECTIONS}, got {is_correction!r}")
-        if is_cap <= 0:
-            problems.append(f"is_cap must be > 0, got {is_cap}")
+        problems = check_behaviour_options(is_correction, is_cap)
         if reward_weight < 0:
             problems.append(f"reward_weight must be >= 0, got {reward_weight}")
         if problems:
@@ -81,8 +77,4 @@ class OPD(CausalLMModule):
             is_correction=self.is_correction, is_cap=self.is_cap,
             advantages=micro_batch.get("advantages"), reward_weight=self.reward_weight,
         )
-        tokens = sums["tokens"]
-        metrics = {name: (sums[name], tokens) for name in OPD_METRICS}
-        if entropy is not None:
-            metrics["entropy"] = (entropy.detach()[mask].sum(), tokens)
-        return loss_sum, metrics
+        return loss_sum, self.token_means(sums, OPD_METRICS, entropy, mask)

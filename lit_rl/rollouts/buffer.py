@@ -417,26 +417,21 @@ class RolloutBuffer:
                 await asyncio.sleep(self.retry_backoff * 2 ** (attempt - 1))
             await self._pace()
             try:
-                group = await asyncio.wait_for(self._attempt(task, ctx, draw, index), self.rollout_timeout)
+                samples = await asyncio.wait_for(self._attempt(task, ctx, draw, index), self.rollout_timeout)
             except _ContractError as e:
                 return self._fatal(RolloutError(str(e)))
             except Exception as e:  # CancelledError is not an Exception: cancellation passes through
                 error = e
                 log.debug("%s failed (attempt %d): %r", self._where(draw, index), attempt + 1, e)
                 continue
-            try:
-                self._accept(task_id, draw, index, version, group)
-            except _ContractError as e:
-                self._fatal(RolloutError(str(e)))
-            return
+            return self._accept(task_id, draw, index, version, samples)
         self._give_up(task_id, draw, index, error)
 
-    async def _attempt(self, task: dict, ctx: RolloutContext, draw: int, index: int) -> Any:
-        """One attempt: the environment's rollout, then (with a teacher) its scoring."""
-        group = await self.env.rollout(task, ctx)
-        if self._teacher is None:
-            return group
-        return await self._teacher_scores(self._check_group(group, draw, index))
+    async def _attempt(self, task: dict, ctx: RolloutContext, draw: int, index: int) -> list[Sample]:
+        """One attempt: the environment's rollout, its contract checked (`_ContractError`), then
+        (with a teacher) its scoring."""
+        samples = self._check_group(await self.env.rollout(task, ctx), draw, index)
+        return samples if self._teacher is None else await self._teacher_scores(samples)
 
     async def _teacher_scores(self, samples: list[Sample]) -> list[Sample]:
         """The samples with `teacher_logprobs`: the teacher's logprob of each trained token (0
@@ -451,8 +446,7 @@ class RolloutBuffer:
         return [dataclasses.replace(s, teacher_logprobs=[lp if m else 0.0 for lp, m in zip(lps, s.loss_mask)])
                 for s, lps in zip(samples, scores)]
 
-    def _accept(self, task_id: int, draw: int, index: int, version: int, group: Any) -> None:
-        samples = self._check_group(group, draw, index)
+    def _accept(self, task_id: int, draw: int, index: int, version: int, samples: list[Sample]) -> None:
         samples = [
             dataclasses.replace(s, policy_version=version, metadata={
                 **s.metadata, "task_index": index, "draw": draw, "member": member,
