@@ -13,11 +13,8 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_rl.data.render import RenderError
-from lit_rl.data.rows import detect_format
 from lit_rl.data.sampler import StepBatchSampler
-from lit_rl.data.sources import open_split
-from lit_rl.data.steps import BadRowError, RowRenderer, StepDataset
+from lit_rl.data.steps import RowRenderer, StepDataset, open_row_renderer
 
 PACKING_MODES = ("padded", "packed")
 BAD_ROW_POLICIES = ("error", "skip")
@@ -137,35 +134,12 @@ class StaticDataModule(L.LightningDataModule):
         return resolve_tokenizer_name(self)
 
     def _renderer(self, path: str, split: str, problems: list[str], what: str) -> RowRenderer | None:
-        try:
-            rows = open_split(path, subset=self.subset, split=split, data_files=self.data_files, max_examples=self.max_examples)
-        except Exception as e:  # noqa: BLE001 - reported with the rest, naming the source
-            problems.append(f"{what}: cannot load {path!r} (split {split!r}): {type(e).__name__}: {e}")
-            return None
-        if len(rows) == 0:
-            problems.append(f"{what}: {path!r} split {split!r} has no rows")
-            return None
-        try:
-            row_format = detect_format(rows.column_names, **{k: self.columns[k] for k in self.columns if k != "tools_column"})
-        except ValueError as e:
-            problems.append(f"{what}: {e}")
-            return None
-        renderer = RowRenderer(
-            rows,
-            tokenizer=self.resolve_tokenizer(),
-            row_format=row_format,
-            columns=self.columns,
-            max_length=self.max_length,
-            trust_remote_code=self.trust_remote_code,
-            chat_template_kwargs=self.chat_template_kwargs,
+        return open_row_renderer(
+            path, split=split, subset=self.subset, data_files=self.data_files, max_examples=self.max_examples,
+            columns=self.columns, tokenizer=self.resolve_tokenizer(), max_length=self.max_length,
+            trust_remote_code=self.trust_remote_code, chat_template_kwargs=self.chat_template_kwargs,
+            bad_rows=self.bad_rows, problems=problems, what=what,
         )
-        try:  # the template must be able to attribute tokens; find out now, not at step 1000
-            renderer.sample(0)
-        except BadRowError as e:
-            cause = e.__cause__
-            if isinstance(cause, RenderError) or self.bad_rows != "skip":
-                problems.append(f"{what}: {e}")
-        return renderer
 
     def setup(self, stage: str | None = None) -> None:
         if self._train is not None or self._val is not None:

@@ -35,10 +35,7 @@ class StepBatchSampler:
         self.epoch, self.step = (epoch + 1, 0) if step_in_epoch >= len(self) else (epoch, step_in_epoch)
 
     def order(self, epoch: int) -> list[int]:
-        if not self.shuffle:
-            return list(range(self.num_rows))
-        gen = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.num_rows, generator=gen).tolist()
+        return row_order(self.num_rows, epoch, shuffle=self.shuffle, seed=self.seed)
 
     def __iter__(self) -> Iterator[tuple[int, int, list[int]]]:
         """Yields (epoch, step_in_epoch, row indices of this rank) for the rest of the current
@@ -50,3 +47,12 @@ class StepBatchSampler:
         for step in range(first, len(self)):
             rows = order[step * self.batch_size : (step + 1) * self.batch_size]
             yield epoch, step, rows[self.rank * per_rank : (self.rank + 1) * per_rank]
+
+
+def row_order(num_rows: int, epoch: int, *, shuffle: bool, seed: int) -> list[int]:
+    """The rows of data epoch `epoch` in training order: a pure function of (seed, epoch), so a
+    position in it is all a resumed run needs (shared by the static and the replay sources)."""
+    if not shuffle:
+        return list(range(num_rows))
+    gen = torch.Generator().manual_seed(seed + epoch)
+    return torch.randperm(num_rows, generator=gen).tolist()

@@ -14,8 +14,9 @@ import datasets
 import torch
 
 from lit_rl.data.render import RenderError, render_messages
-from lit_rl.data.rows import RowError, chat_from_row, completion_start
+from lit_rl.data.rows import RowError, chat_from_row, completion_start, detect_format
 from lit_rl.data.samples import Sample
+from lit_rl.data.sources import open_split
 from lit_rl.data.step_builder import build_step
 from lit_rl.model_names import load_tokenizer
 
@@ -74,6 +75,38 @@ class RowRenderer:
         if not any(mask[1 : self.max_length]):
             raise BadRowError(f"row {index}: no assistant token to train on within max_length={self.max_length}")
         return Sample(input_ids=ids[: self.max_length], loss_mask=mask[: self.max_length], truncated=truncated)
+
+
+def open_row_renderer(
+    path: str, *, split: str, subset: str | None, data_files, max_examples: int | None, columns: dict[str, str],
+    tokenizer: str, max_length: int, trust_remote_code: bool, chat_template_kwargs: dict | None, bad_rows: str,
+    problems: list[str], what: str,
+) -> RowRenderer | None:
+    """A dataset split's rows, ready to render: loading, format detection and a trial render of
+    row 0 (the template must be able to attribute tokens; find out now, not at step 1000).
+    Problems are appended to `problems`, naming `what` (e.g. "train data"), so that a data
+    module can report them together with its other option problems."""
+    try:
+        rows = open_split(path, subset=subset, split=split, data_files=data_files, max_examples=max_examples)
+    except Exception as e:  # noqa: BLE001 - reported with the rest, naming the source
+        problems.append(f"{what}: cannot load {path!r} (split {split!r}): {type(e).__name__}: {e}")
+        return None
+    if len(rows) == 0:
+        problems.append(f"{what}: {path!r} split {split!r} has no rows")
+        return None
+    try:
+        row_format = detect_format(rows.column_names, **{k: columns[k] for k in columns if k != "tools_column"})
+    except ValueError as e:
+        problems.append(f"{what}: {e}")
+        return None
+    renderer = RowRenderer(rows, tokenizer=tokenizer, row_format=row_format, columns=columns, max_length=max_length,
+                           trust_remote_code=trust_remote_code, chat_template_kwargs=chat_template_kwargs)
+    try:
+        renderer.sample(0)
+    except BadRowError as e:
+        if isinstance(e.__cause__, RenderError) or bad_rows != "skip":
+            problems.append(f"{what}: {e}")
+    return renderer
 
 
 class StepDataset(torch.utils.data.Dataset):
