@@ -18,14 +18,17 @@ step and reloads the server) calls `start(weights_path, version)` at the start o
 which starts a managed vLLM server on those weights (or, with `base_url`, reloads an
 existing one) and then the rollouts. Under several ranks rank 0 runs the server and the
 buffer; every rank gets an equal share of each batch (a broadcast inside the step).
+
+Static rows can ride along (`replay`: a list of `ReplaySource`): each batch then takes a
+fixed share of samples from each source by sampling weight, each source's samples feed
+their own loss (replay rows: cross-entropy) normalised by that source's own token count
+(`lit_rl.data.mixing`), and metrics are logged per source as `train/<source>/...`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_rl.data.datamodules import PACKING_MODES, resolve_tokenizer_name
+from lit_rl.data.mixing import build_mixed_step
+from lit_rl.data.replay import ReplayMix, ReplaySource
+from lit_rl.data.rollout_traces import rollout_stats, trace_batch, trace_share
 from lit_rl.data.step_builder import build_step
 from lit_rl.model_names import load_tokenizer
 from lit_rl.rollouts.buffer import RolloutBuffer, sample_from_dict, sample_to_dict
@@ -85,6 +91,8 @@ class RolloutDataModule(L.LightningDataModule):
         teacher_api_key: str | None = None,
         teacher_server: dict | None = None,
         source: str = "policy",
+        weight: float = 1.0,
+        replay: list[ReplaySource] | None = None,
     ):
         """
         Args:
@@ -131,6 +139,12 @@ class RolloutDataModule(L.LightningDataModule):
                 its own server; GRPO, OPD) or ``teacher`` (the frozen teacher: its completions
                 are cross-entropy data for SFT, its exact token ids trained as they are; no
                 policy server, no WeightSync).
+            weight: the rollouts' sampling weight against the `replay` sources' weights (only
+                matters with replay).
+            replay: static datasets mixed into every batch (`lit_rl.data.replay.ReplaySource`:
+                path, weight, name, ...): their rows feed the cross-entropy loss, normalised by
+                their own token count, beside the rollouts' loss. `batch_size` then counts the
+                samples of all sources; `group_size` applies to the rollouts only.
         """
         super().__init__()
         self.env = env
@@ -150,6 +164,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.teacher_api_key, self.teacher_server = teacher_api_key, dict(teacher_server or {})
         self.teacher_endpoint = None  # the teacher's managed server or teacher_base_url
         self.source = source
+        self.weight, self.replay = weight, list(replay or [])
+        self.mix = ReplayMix(self.replay, rollout_name=source, rollout_weight=weight)
         self.rollouts: ThreadedRolloutBuffer | None = None
         self.endpoint = None  # lit_rl.inference.server.Endpoint: the managed server or base_url
         self._server_lease = None
@@ -159,7 +175,7 @@ class RolloutDataModule(L.LightningDataModule):
     # ---- set-up and validation ---------------------------------------------------------------
     def option_problems(self) -> list[str]:
         problems = []
-        if self.group_size < 1 or self.batch_size < 1 or self.batch_size % self.group_size:
+        if self.group_size < 1 or self.batch_size < 1 or (self.batch_size % self.group_size and not self.replay):
             problems.append(f"data.batch_size ({self.batch_size}) must be a positive multiple of data.group_size "
                             f"({self.group_size})")
         if self.packing not in PACKING_MODES:
@@ -181,6 +197,7 @@ class RolloutDataModule(L.LightningDataModule):
                             "the teacher (data.teacher_base_url, data.teacher_server)")
         if self.teacher_server and not self.teacher_model:
             problems.append("data.teacher_server options need data.teacher_model (the model to start a server for)")
+        problems += self.mix.problems()
         if self.batch_timeout <= 0:
             problems.append(f"data.batch_timeout must be > 0, got {self.batch_timeout}")
         if not isinstance(self.env, Environment) and not callable(getattr(self.env, "rollout", None)):
@@ -200,6 +217,13 @@ class RolloutDataModule(L.LightningDataModule):
             problems.append(f"RolloutDataModule trains only (lit-rl fit); {stage!r} needs held-out data")
         if self.trainer is not None:
             problems += self._trainer_problems()
+        if self.mix and self.trainer is not None:
+            module = self.trainer.lightning_module
+            kind = getattr(module, "loss_kind", None)
+            self.mix.open(tokenizer=self.resolve_tokenizer(), chat_template_kwargs=self.chat_template_kwargs,
+                          trust_remote_code=bool(getattr(module, "trust_remote_code", False)),
+                          rollout_loss="cross_entropy" if self.source == "teacher" else (kind or "own"),
+                          group_size=self.group_size, world_size=world, batch_size=self.batch_size, problems=problems)
         if problems:
             raise ValueError("RolloutDataModule: " + str(len(problems)) + " problem(s):\n  - " + "\n  - ".join(problems))
 
@@ -273,7 +297,7 @@ class RolloutDataModule(L.LightningDataModule):
         buffer = RolloutBuffer(
             self.env, make_client, tokenizer,
             TrainSampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k),
-            batch_size=self.batch_size, group_size=self.group_size, max_concurrency=self.max_concurrency,
+            batch_size=self.mix.rollout_count(self.batch_size), group_size=self.group_size, max_concurrency=self.max_concurrency,
             # The teacher's samples never age; for them the bound keeps generation at most a batch
             # ahead of training (the buffer advances its version as batches are drawn).
             max_staleness=self.max_staleness if self.source == "policy" else 1,
@@ -369,75 +393,60 @@ class RolloutDataModule(L.LightningDataModule):
             batch = self.rollouts.next_batch(timeout=self.batch_timeout)
             if batch is None:
                 raise RuntimeError("RolloutDataModule: the rollouts ended before training did")
-            payload = {"samples": list(batch), "staleness": list(batch.staleness),
+            replay = self.mix.take()
+            payload = {"samples": list(batch), "staleness": list(batch.staleness), "replay": replay,
                        "metrics": self.rollouts.metrics(), "progress": self.rollouts.progress()}
-            self._trace(trainer.global_step, batch)
+            trace_batch(self._root(), trainer.global_step, batch, replay)
         if trainer.world_size > 1:  # plain data across ranks, samples as dicts
             if payload is not None:
                 payload["samples"] = [sample_to_dict(s) for s in payload["samples"]]
+                payload["replay"] = {k: [sample_to_dict(s) for s in v] for k, v in payload["replay"].items()}
             payload = trainer.strategy.broadcast(payload, src=0)
             payload["samples"] = [sample_from_dict(d) for d in payload["samples"]]
+            payload["replay"] = {k: [sample_from_dict(d) for d in v] for k, v in payload["replay"].items()}
         samples = payload["samples"]
-        share = len(samples) // trainer.world_size
-        mine = samples[trainer.global_rank * share:(trainer.global_rank + 1) * share]
+        mine = _share(samples, trainer.global_rank, trainer.world_size)
         if trainer.world_size > 1:
-            self._trace_share(trainer.global_step, trainer.global_rank, mine)
-        step = build_step(mine, micro_batch_tokens=self.micro_batch_tokens, packing=self.packing,
-                          pack_length=self.pack_length)
-        step["stats"].update(_rollout_stats(samples, payload["staleness"]))
+            trace_share(self._root(), trainer.global_step, trainer.global_rank, mine)
+        layout = dict(micro_batch_tokens=self.micro_batch_tokens, packing=self.packing, pack_length=self.pack_length)
+        if self.mix.split:  # each source packed apart, micro-batches tagged with the loss they feed
+            parts = [(part, mine if i == 0 else _share(payload["replay"][part.name], trainer.global_rank,
+                                                        trainer.world_size))
+                     for i, (part, _) in enumerate(self.mix.split)]
+            step = build_mixed_step(parts, **layout)
+        else:
+            step = build_step(mine, **layout)
+        step["stats"].update(rollout_stats(samples, payload["staleness"]))
         step["stats"]["data_wait_s"] = time.perf_counter() - wait_start
         step["metrics"] = payload["metrics"]
         if self.progress_every and trainer.global_step % self.progress_every == 0:
             rank_zero_info(f"step {trainer.global_step}: {payload['progress']}")
         return step
 
-    def _trace(self, step: int, batch) -> None:
-        """One line per trained step in `<root>/rollouts/trained.jsonl`: what was trained, from
-        which task and policy version, with what reward (for reading a run, and for checking
-        that a resumed run trains no sample twice)."""
-        path = Path(self.trainer.default_root_dir) / "rollouts" / "trained.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        keep = ("draw", "member", "task_index", "task_id", "completion")
-        rows = [{"policy_version": s.policy_version, "reward": s.reward, "finish_reason": s.finish_reason,
-                 **{k: s.metadata[k] for k in keep if k in s.metadata}} for s in batch]
-        with open(path, "a") as f:
-            f.write(json.dumps({"step": step, "batch": batch.index, "samples": rows}) + "\n")
 
-    def _trace_share(self, step: int, rank: int, mine: list) -> None:
-        """Under several ranks, each rank writes the samples it trained, as `[draw, member]`, to
-        `<root>/rollouts/trained_rank<r>.jsonl`, so a run shows which rank trained what (and that
-        no two ranks trained the same sample)."""
-        path = Path(self.trainer.default_root_dir) / "rollouts" / f"trained_rank{rank}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        ids = [[s.metadata.get("draw"), s.metadata.get("member")] for s in mine]
-        with open(path, "a") as f:
-            f.write(json.dumps({"step": step, "samples": ids}) + "\n")
+    def _root(self) -> Path:
+        return Path(self.trainer.default_root_dir)
 
     # ---- resume ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        state = {}
         if self.rollouts is not None:
-            return {"buffer": self.rollouts.state_dict()}
-        return {"buffer": self._saved_state} if self._saved_state is not None else {}
+            state["buffer"] = self.rollouts.state_dict()
+        elif self._saved_state is not None:
+            state["buffer"] = self._saved_state
+        if self.mix.state_dict():
+            state["replay"] = self.mix.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self._saved_state = state.get("buffer")
+        self.mix.load_state_dict(state.get("replay"))
 
 
-def _rollout_stats(samples, staleness: list[int]) -> dict[str, float]:
-    """What GRPO logs about the step's data (every rank computes them from the whole batch)."""
-    rewards = [s.reward for s in samples]
-    staleness = [age for s, age in zip(samples, staleness) if s.has_sampling_logprobs] or [0]  # others never age
-    advantages = [next((a for a, m in zip(s.advantages, s.loss_mask) if m), 0.0) for s in samples]
-    lengths = [sum(s.loss_mask) for s in samples]
-    mean_adv = sum(advantages) / len(advantages)
-    return {
-        "reward": sum(rewards) / len(rewards),
-        "advantage_std": math.sqrt(sum((a - mean_adv) ** 2 for a in advantages) / len(advantages)),
-        "staleness_mean": sum(staleness) / len(staleness),
-        "staleness_max": float(max(staleness)),
-        "completion_length": sum(lengths) / len(lengths),
-        "truncated_fraction": sum(s.truncated for s in samples) / len(samples),
-    }
+def _share(samples: list, rank: int, world: int) -> list:
+    """Rank `rank`'s contiguous share of a source's samples (their count divides by the ranks)."""
+    share = len(samples) // world
+    return samples[rank * share:(rank + 1) * share]
 
 
 class _StepNumbers(torch.utils.data.IterableDataset):

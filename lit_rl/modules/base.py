@@ -252,6 +252,22 @@ class CausalLMModule(L.LightningModule):
         micro-batches and ranks before any backward. Default: its trained tokens (SFT)."""
         return float(micro_batch["loss_mask"][:, 1:].sum())
 
+    # ---- mixed sources: each micro-batch feeds the loss its samples are for ----------------------
+    def _feeds_cross_entropy(self, micro_batch: dict) -> bool:
+        """A micro-batch of static or teacher rows in a run whose own loss is another (replay rows
+        in GRPO or OPD, `lit_rl.data.mixing`): it gets the cross-entropy, not the algorithm's loss."""
+        return micro_batch.get("loss") == "cross_entropy" and self.loss_kind != "cross_entropy"
+
+    def _part_loss_sum(self, micro_batch: dict):
+        if self._feeds_cross_entropy(micro_batch):
+            return self.target_cross_entropy_sum(micro_batch)
+        return self.micro_batch_loss_sum(micro_batch)
+
+    def _part_normaliser(self, micro_batch: dict) -> float:
+        if self._feeds_cross_entropy(micro_batch):
+            return CausalLMModule.loss_normaliser(self, micro_batch)
+        return self.loss_normaliser(micro_batch)
+
     # ---- one optimizer step per batch ----------------------------------------------------
     def _sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
         """Collective under multi-process strategies: every rank must call it."""
@@ -279,35 +295,64 @@ class CausalLMModule(L.LightningModule):
     def _split_loss_output(out) -> tuple[torch.Tensor, dict]:
         return out if isinstance(out, tuple) else (out, {})
 
+    def _step_micro_batches(self, batch: dict) -> list[dict]:
+        """The step's micro-batches on this rank; an empty one stands in for each source of a mixed
+        step that gave this rank nothing (or for a step with no rows), so that every rank takes
+        part in the same collectives and logs the same metric names."""
+        micro_batches = list(batch["micro_batches"])
+        present = {mb.get("part") for mb in micro_batches}
+        for name, loss in batch.get("parts") or []:
+            if name not in present:
+                micro_batches.append({**self._empty_micro_batch(), "part": name, "loss": loss})
+        return micro_batches or [self._empty_micro_batch()]
+
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         start = self._last_step_end or time.perf_counter()
         compute_start = time.perf_counter()
         optimizer = self.optimizers()
-        micro_batches = batch["micro_batches"] or [self._empty_micro_batch()]
-        local_targets = sum(int(mb["loss_mask"][:, 1:].sum()) for mb in micro_batches)
-        local_normaliser = sum(self.loss_normaliser(mb) for mb in micro_batches)
-        counts = self._sum_over_ranks(torch.tensor([float(local_targets), float(local_normaliser)], device=self.device))
-        step_targets, normaliser = counts[0], counts[1].clamp(min=1.0)
-        # DDP/FSDP average gradients over ranks; multiplying by world_size turns that into a sum.
-        scale = self.trainer.world_size / normaliser
+        micro_batches = self._step_micro_batches(batch)
+        # Each loss part (the algorithm's own; cross-entropy for replay rows in a mixed step) is
+        # divided by its own normaliser over the whole step and all ranks; one part without a mix.
+        parts = [name for name, _ in batch.get("parts") or []]
+        kinds = sorted({mb.get("loss", "") for mb in micro_batches})  # the same on every rank
+        local = torch.zeros(1 + len(kinds) + len(parts), device=self.device)  # [targets, normaliser per kind, targets per part]
+        for mb in micro_batches:
+            targets = float(mb["loss_mask"][:, 1:].sum())
+            local[0] += targets
+            local[1 + kinds.index(mb.get("loss", ""))] += self._part_normaliser(mb)
+            if parts:
+                local[1 + len(kinds) + parts.index(mb["part"])] += targets
+        counts = self._sum_over_ranks(local)
+        step_targets, normalisers = counts[0], counts[1:1 + len(kinds)].clamp(min=1.0)
         optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=self.device)
+        loss_sums = torch.zeros(len(kinds), device=self.device)
         metric_sums: dict[str, torch.Tensor] = {}
+
+        def add_metric(name: str, value, count) -> None:
+            pair = torch.stack([torch.as_tensor(value, dtype=torch.float32, device=self.device).detach(),
+                                torch.as_tensor(count, dtype=torch.float32, device=self.device)])
+            metric_sums[name] = metric_sums[name] + pair if name in metric_sums else pair
+
         for i, mb in enumerate(micro_batches):
+            kind = kinds.index(mb.get("loss", ""))
             with self._skip_grad_sync(i < len(micro_batches) - 1):
-                mb_loss_sum, mb_metrics = self._split_loss_output(self.micro_batch_loss_sum(mb))
-                self.manual_backward(mb_loss_sum * scale)
-            loss_sum += mb_loss_sum.detach()
+                mb_loss_sum, mb_metrics = self._split_loss_output(self._part_loss_sum(mb))
+                # DDP/FSDP average gradients over ranks; multiplying by world_size turns that into a sum.
+                self.manual_backward(mb_loss_sum * (self.trainer.world_size / normalisers[kind]))
+            loss_sums[kind] += mb_loss_sum.detach()
             for name, (value, count) in mb_metrics.items():
-                pair = torch.stack([value.detach().float(), torch.as_tensor(count, dtype=torch.float32, device=self.device)])
-                metric_sums[name] = metric_sums[name] + pair if name in metric_sums else pair
+                add_metric(name, value, count)
+                if parts:
+                    add_metric(f"{mb['part']}/{name}", value, count)
+            if parts:  # the part's own mean loss: its sum over its own normaliser
+                add_metric(f"{mb['part']}/loss", mb_loss_sum, self._part_normaliser(mb))
         grad_norm = self._clip_and_measure_grad_norm()
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
-        loss = self._sum_over_ranks(loss_sum) / normaliser
+        loss = (self._sum_over_ranks(loss_sums) / normalisers).sum()
         self._last_step_end = time.perf_counter()
         metrics = {
             "train/loss": loss,
@@ -322,6 +367,7 @@ class CausalLMModule(L.LightningModule):
             names = sorted(metric_sums)
             totals = self._sum_over_ranks(torch.stack([metric_sums[n] for n in names]))  # [M, 2]
             metrics.update({f"train/{n}": totals[i, 0] / totals[i, 1].clamp(min=1.0) for i, n in enumerate(names)})
+        metrics.update({f"train/{name}/tokens": counts[1 + len(kinds) + i] for i, name in enumerate(parts)})
         metrics.update({f"train/{k}": v for k, v in batch.get("stats", {}).items()})
         metrics.update(batch.get("metrics", {}))  # full names, e.g. rollout/... from a rollout data module
         self.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, batch_size=1)

@@ -1,0 +1,56 @@
+"""What a rollout run records about each step's data: the traces under `<root>/rollouts/` and the
+rollout statistics logged as `train/<name>`.
+
+Traces are for people reading a run (which task, policy version, reward, completion) and for
+tests that check no sample is trained twice across a resume or by two ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+def trace_batch(root: Path, step: int, batch, replay: dict) -> None:
+    """One line per trained step in `<root>/rollouts/trained.jsonl`: what was trained, from
+    which task and policy version, with what reward, and which rows of each replay source."""
+    path = root / "rollouts" / "trained.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keep = ("draw", "member", "task_index", "task_id", "completion")
+    rows = [{"policy_version": s.policy_version, "reward": s.reward, "finish_reason": s.finish_reason,
+             **{k: s.metadata[k] for k in keep if k in s.metadata}} for s in batch]
+    line = {"step": step, "batch": batch.index, "samples": rows}
+    if replay:
+        line["replay"] = {name: [s.metadata["row"] for s in samples] for name, samples in replay.items()}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def trace_share(root: Path, step: int, rank: int, mine: list) -> None:
+    """Under several ranks, each rank writes the rollouts it trained, as `[draw, member]`, to
+    `<root>/rollouts/trained_rank<r>.jsonl`, so a run shows which rank trained what (and that
+    no two ranks trained the same sample)."""
+    path = root / "rollouts" / f"trained_rank{rank}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ids = [[s.metadata.get("draw"), s.metadata.get("member")] for s in mine]
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": step, "samples": ids}) + "\n")
+
+
+def rollout_stats(samples, staleness: list[int]) -> dict[str, float]:
+    """What GRPO logs about the step's rollouts (every rank computes them from the whole batch;
+    replay rows are not rollouts and are not in `samples`)."""
+    rewards = [s.reward for s in samples]
+    staleness = [age for s, age in zip(samples, staleness) if s.has_sampling_logprobs] or [0]  # others never age
+    advantages = [next((a for a, m in zip(s.advantages, s.loss_mask) if m), 0.0) for s in samples]
+    lengths = [sum(s.loss_mask) for s in samples]
+    mean_adv = sum(advantages) / len(advantages)
+    return {
+        "reward": sum(rewards) / len(rewards),
+        "advantage_std": math.sqrt(sum((a - mean_adv) ** 2 for a in advantages) / len(advantages)),
+        "staleness_mean": sum(staleness) / len(staleness),
+        "staleness_max": float(max(staleness)),
+        "completion_length": sum(lengths) / len(lengths),
+        "truncated_fraction": sum(s.truncated for s in samples) / len(samples),
+    }

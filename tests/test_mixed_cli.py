@@ -1,0 +1,65 @@
+"""Mixed sources through the real CLI: GRPO rollouts from a real vLLM server plus replay rows of
+a static dataset in every batch, both losses logged, and a resumed run that continues the
+replay order without repeating a row; bad replay options are all reported before any server."""
+
+import json
+
+import pytest
+
+from helpers import reverse_rows, write_jsonl
+from lit_rl.data.sampler import row_order
+from test_cli import metrics_rows, run
+from test_grpo_cli import grpo_args, shared, trained
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("mixed_data") / "train.jsonl", reverse_rows(40))
+
+
+def replay(*sources: dict) -> list[str]:
+    return ["--data.init_args.replay", json.dumps(list(sources))]
+
+
+def test_every_replay_problem_is_reported_at_once_before_any_server(data, tmp_path):
+    root = tmp_path / "run"
+    out = run(grpo_args(root, data, "lit-rl:tiny_qwen3", 2, "--model.init_args.random_init", "true",
+                        *replay({"path": data, "group_size": 16},
+                                {"path": str(tmp_path / "missing.jsonl")},
+                                {"path": data, "name": "policy", "weight": 0})))
+    assert out.returncode != 0
+    err = out.stderr
+    assert "data.replay[0].group_size is 16" in err, err[-3000:]
+    assert "data.replay[1].name 'replay' is already the name of another source" in err
+    assert "data.replay[1] (" in err and "no such file" in err  # names the source and the file
+    assert "data.replay[2].weight must be > 0" in err
+    assert "data.replay[2].name 'policy' is already the name" in err
+    assert not (root / "vllm.log").exists()  # nothing was started
+
+
+@pytest.mark.slow
+def test_grpo_with_replay_logs_both_losses_and_resumes_the_replay_order(vllm_server, data, tmp_path):
+    """12 samples a step: 8 rollouts (2 groups of 4) and 4 replay rows (weights 2:1); the
+    second launch resumes at step 2 and trains the next rows of the same shuffled order."""
+    root = tmp_path / "run"
+    common = [*shared(vllm_server), "--data.init_args.batch_size", "12", "--data.init_args.weight", "2",
+              *replay({"path": data, "weight": 1, "seed": 3})]
+    first = run(grpo_args(root, data, str(vllm_server.model_dir), 2, *common))
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert "policy 8 samples (policy_gradient), replay 4 samples (cross_entropy)" in first.stderr
+    second = run(grpo_args(root, data, str(vllm_server.model_dir), 4, *common, "--ckpt_path", "last"))
+    assert second.returncode == 0, second.stderr[-4000:]
+    steps = trained(root)
+    assert [s["step"] for s in steps] == [0, 1, 2, 3]
+    assert all(len(s["samples"]) == 8 for s in steps)
+    rows = [r for s in steps for r in s["replay"]["replay"]]
+    assert rows == row_order(40, 0, shuffle=True, seed=3)[:16]  # in order, none repeated or skipped on resume
+    logged = [r for r in metrics_rows(root) if r.get("train/replay/loss")]  # the resumed launch's log
+    assert len(logged) == 2
+    for r in logged:
+        assert float(r["train/replay/loss"]) > 0 and r.get("train/policy/loss") not in (None, "")
+        assert float(r["train/replay/rows"]) == 4 and float(r["train/policy/rows"]) == 8
+        assert float(r["train/tokens"]) == float(r["train/replay/tokens"]) + float(r["train/policy/tokens"])
+        # reward and policy metrics come from the rollouts only
+        assert r.get("train/reward") not in (None, "") and r.get("train/policy/mismatch_kl") not in (None, "")
+        assert "train/replay/mismatch_kl" not in r or r["train/replay/mismatch_kl"] in ("", None)

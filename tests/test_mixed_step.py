@@ -1,0 +1,138 @@
+"""A mixed step (rollouts + replay rows) through the real Trainer: the update equals the policy
+loss over the rollouts as one [B, T] batch plus the cross-entropy over the replay rows, each
+divided by its own count over the whole step, however the step is split, packed or shared out
+over ranks (plain SGD, no clipping: a wrong factor would show)."""
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+
+from lit_rl.data.mixing import Part, build_mixed_step, split_batch
+from lit_rl.data.samples import Sample
+from lit_rl.losses import masked_cross_entropy_sum, policy_loss, shifted_token_logprobs
+from lit_rl.modules.grpo import GRPO
+from lit_rl.modules.model_loading import load_causal_lm
+from helpers import TINY_MODEL
+from test_grpo_step import rollout_samples, sgd
+
+POLICY = Part("policy", "policy_gradient", 3.0, 1)
+REPLAY = Part("replay", "cross_entropy", 1.0, 1)
+
+
+def replay_samples(n=4, seed=1):
+    """Static rows: a prompt and an answer whose tokens are trained, no sampling logprobs."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        prompt, answer = 2 + i % 3, 3 + (i * 3) % 7
+        ids = torch.randint(0, 250, (prompt + answer,), generator=g).tolist()
+        samples.append(Sample(input_ids=ids, loss_mask=[t >= prompt for t in range(len(ids))]))
+    return samples
+
+
+def reference_update(model, rollouts, rows, loss_type):
+    """Parameters after one SGD step (lr 1) on policy_loss over the rollouts as [B, T] plus the
+    mean cross-entropy over the replay rows' trained tokens."""
+    model = copy.deepcopy(model)
+    T = max(len(s) for s in rollouts)
+    B = len(rollouts)
+    lp_rows, inf, adv, mask = [], torch.zeros(B, T), torch.zeros(B), torch.zeros(B, T, dtype=torch.bool)
+    for b, s in enumerate(rollouts):
+        ids = torch.tensor([s.input_ids])
+        lp = shifted_token_logprobs(model(input_ids=ids, use_cache=False).logits, ids)[0]  # [n]
+        lp_rows.append(torch.nn.functional.pad(lp, (0, T - len(s))))
+        inf[b, : len(s)] = torch.tensor(s.logprobs)
+        mask[b, : len(s)] = torch.tensor(s.loss_mask)
+        mask[b, 0] = False
+        adv[b] = next(a for a, m in zip(s.advantages, s.loss_mask) if m)
+    lp = torch.stack(lp_rows)  # [B, T]
+    pg, _ = policy_loss(lp, lp.detach(), inf, adv, mask, loss_type=loss_type, max_completion_length=16)
+    ce_sum, ce_tokens = torch.zeros(()), 0
+    for s in rows:
+        ids, row_mask = torch.tensor([s.input_ids]), torch.tensor([s.loss_mask])
+        ce_sum = ce_sum + masked_cross_entropy_sum(model(input_ids=ids, use_cache=False).logits, ids, row_mask)
+        ce_tokens += int(row_mask[:, 1:].sum())
+    ce = ce_sum / ce_tokens
+    (pg + ce).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= p.grad
+    return model, pg.item(), ce.item()
+
+
+class MixedShare(L.LightningDataModule):
+    """Each rank gets its share of each source, as RolloutDataModule hands them out."""
+
+    def __init__(self, rollouts, rows, **layout):
+        super().__init__()
+        self.rollouts, self.rows, self.layout = rollouts, rows, layout
+
+    def train_dataloader(self):
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        share = lambda xs: xs[rank * len(xs) // world:(rank + 1) * len(xs) // world]  # noqa: E731
+        step = build_mixed_step([(POLICY, share(self.rollouts)), (REPLAY, share(self.rows))], **self.layout)
+        return torch.utils.data.DataLoader([step], batch_size=None, collate_fn=lambda x: x)
+
+
+def grpo(model, loss_type):
+    module = GRPO(model=TINY_MODEL, optimizer=sgd, max_grad_norm=None, loss_type=loss_type, max_completion_length=16,
+                  head_chunk_size=7)
+    module.model = copy.deepcopy(model)
+    return module
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_causal_lm(TINY_MODEL, random_init=True, seed=0)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_each_source_feeds_its_own_loss_normalised_by_its_own_count(model, loss_type):
+    rollouts, rows = rollout_samples(model, n=6), replay_samples(4)
+    want, pg, ce = reference_update(model, rollouts, rows, loss_type)
+    for budget, packing in [(4096, "padded"), (40, "padded"), (40, "packed")]:
+        module = grpo(model, loss_type)
+        trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+        trainer.fit(module, datamodule=MixedShare(rollouts, rows, micro_batch_tokens=budget, packing=packing))
+        metrics = trainer.callback_metrics
+        assert metrics["train/loss"].item() == pytest.approx(pg + ce, abs=1e-5)
+        assert metrics["train/policy/loss"].item() == pytest.approx(pg, abs=1e-5)
+        assert metrics["train/replay/loss"].item() == pytest.approx(ce, abs=1e-5)
+        assert metrics["train/replay/tokens"].item() == sum(sum(s.loss_mask[1:]) for s in rows)
+        assert metrics["train/replay/rows"].item() == len(rows)
+        # the policy's metrics come from its own tokens only, globally and per source
+        assert metrics["train/mismatch_kl"].item() == pytest.approx(metrics["train/policy/mismatch_kl"].item())
+        assert "train/replay/mismatch_kl" not in metrics
+        for (name, a), b in zip(want.named_parameters(), module.model.parameters()):
+            torch.testing.assert_close(b, a, atol=3e-6, rtol=0, msg=lambda m: f"{loss_type} {budget}/{packing} {name}: {m}")
+
+
+@pytest.mark.slow
+def test_two_ranks_give_the_mixed_update_of_one_process(model):
+    """Each part's count is summed over both ranks before the backward; a rank whose share of a
+    source is empty (here one rank gets the only replay row, the other none) still takes part in every collective."""
+    rollouts, rows = rollout_samples(model, n=8), replay_samples(1)
+    want, _, _ = reference_update(model, rollouts, rows, "dapo")
+    module = grpo(model, "dapo")
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=2, strategy="ddp_spawn", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False)
+    trainer.fit(module, datamodule=MixedShare(rollouts, rows, micro_batch_tokens=48, packing="packed"))
+    for (name, a), b in zip(want.named_parameters(), module.model.parameters()):
+        torch.testing.assert_close(b, a, atol=3e-6, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_split_follows_the_weights_in_whole_groups_and_rank_shares():
+    assert split_batch(32, [Part("policy", "policy_gradient", 3, 8), REPLAY]) == [24, 8]
+    # 64 / 3 = 21.3 each: the policy in whole groups of 16, the others in rank pairs
+    assert split_batch(64, [Part("policy", "policy_gradient", 1, 16), Part("a", "cross_entropy", 1, 2),
+                            Part("b", "cross_entropy", 1, 2)]) == [16, 24, 24]
+    # 40 x 0.5 = 20 is not whole groups of 8: a split that is
+    assert split_batch(40, [Part("policy", "policy_gradient", 1, 8), REPLAY]) == [16, 24]
+    with pytest.raises(ValueError, match="gives \\['replay'\\] no samples"):
+        split_batch(16, [Part("policy", "policy_gradient", 100, 8), REPLAY])
+    with pytest.raises(ValueError, match="left over"):
+        split_batch(12, [Part("policy", "policy_gradient", 1, 8), Part("replay", "cross_entropy", 1, 8)])

@@ -1,0 +1,54 @@
+"""Replay sources read real dataset files: rows rendered as StaticDataModule renders them, in a
+resumable order, bad rows named (or skipped when asked), options checked field by field."""
+
+import pytest
+
+from helpers import TINY_MODEL, reverse_rows, write_jsonl
+from lit_rl.data.replay import ReplaySource
+from lit_rl.data.sampler import row_order
+from lit_rl.data.steps import BadRowError
+
+
+def open_stream(source, problems=None):
+    problems = [] if problems is None else problems
+    stream = source.open(tokenizer=TINY_MODEL, chat_template_kwargs=None, trust_remote_code=False,
+                         problems=problems, where="data.replay[0]")
+    return stream, problems
+
+
+def test_rows_come_in_the_seeded_order_and_resume_from_the_position(tmp_path):
+    path = write_jsonl(tmp_path / "rows.jsonl", reverse_rows(6))
+    stream, problems = open_stream(ReplaySource(path=path, seed=5))
+    assert not problems
+    first = stream.take(4)
+    assert all(s.num_targets > 0 and s.logprobs is None for s in first)  # trained tokens, no sampling logprobs
+    state = stream.state_dict()
+    rest = stream.take(5)  # crosses into the second pass, which has its own order
+    order = row_order(6, 0, shuffle=True, seed=5) + row_order(6, 1, shuffle=True, seed=5)
+    assert [s.metadata["row"] for s in first + rest] == order[:9]
+    again, _ = open_stream(ReplaySource(path=path, seed=5))
+    again.load_state_dict(state)
+    assert [s.metadata["row"] for s in again.take(5)] == [s.metadata["row"] for s in rest]
+
+
+def test_a_bad_row_is_named_or_skipped_when_asked(tmp_path):
+    rows = reverse_rows(4)
+    rows[2] = {"messages": [{"role": "user", "content": "no answer"}]}  # nothing to train on
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    stream, _ = open_stream(ReplaySource(path=path, shuffle=False))
+    with pytest.raises(BadRowError, match="replay source 'replay': row 2.*bad_rows: skip"):
+        stream.take(4)
+    stream, _ = open_stream(ReplaySource(path=path, shuffle=False, bad_rows="skip"))
+    assert [s.metadata["row"] for s in stream.take(4)] == [0, 1, 3, 0]
+    assert stream.skipped == 1
+
+
+def test_options_are_checked_field_by_field(tmp_path):
+    problems = ReplaySource(path="x.jsonl", weight=-1, group_size=4, bad_rows="drop", name="a/b").problems("data.replay[3]")
+    text = "\n".join(problems)
+    for field in ("data.replay[3].weight", "data.replay[3].group_size is 4", "data.replay[3].bad_rows",
+                  "data.replay[3].name"):
+        assert field in text, text
+    assert ReplaySource(path="x.jsonl", group_size=1).problems("r") == []
+    _, problems = open_stream(ReplaySource(path=str(tmp_path / "none.jsonl")))
+    assert len(problems) == 1 and "data.replay[0]" in problems[0] and "no such file" in problems[0]
