@@ -11,12 +11,16 @@ with real vLLM servers:
                (no teacher at all: what RL alone gets in the same time).
   sft_teacher  `examples/reverse_text/sft_teacher.yaml`: the teacher samples, the student trains
                cross-entropy on its tokens.
+  grpo_replay  `examples/reverse_text/grpo_replay.yaml`: GRPO plus the SFT rows replayed in every
+               batch (a third of it), each loss normalised by its own tokens (no teacher).
 
 Each runs `lit-rl fit` for `--minutes` of training (Lightning's `max_time`; the run's wall time,
 servers' start-up included, is reported beside it) with an HF export every `--every` steps. Afterwards every export
 is scored on the held-out set with `examples/reverse_text/exact_match.py` (greedy reward, and the
 mean reward of 4 samples at temperature 1), and the script prints, per method, the curve and the
-first step whose held-out reward reaches `--fraction` of the teacher's.
+first step whose held-out reward reaches `--fraction` of the teacher's. The scores are also written
+into each run's `evals/eval_metrics.csv`, and the curves of all runs overlaid into
+`<out>/report.png` (`lit-rl report` over the run directories).
 
     .venv/bin/python bench/distillation.py                  # 3 x 4 min of training + scoring
     .venv/bin/python bench/distillation.py --methods opd,grpo --minutes 6 --json out.json
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -40,11 +45,16 @@ from _common import REPO  # noqa: E402
 sys.path.insert(0, os.path.join(REPO, "examples", "reverse_text"))
 from exact_match import score  # noqa: E402
 
+from lit_rl.commands import report  # noqa: E402
+from lit_rl.eval.logging import EvalLogger  # noqa: E402
+
 CONFIGS = {
     "opd": ("examples/reverse_text/opd.yaml", "OPD (teacher scores the student's tokens)"),
     "grpo": ("examples/reverse_text/grpo.yaml", "GRPO (reward only)"),
     "sft_teacher": ("examples/reverse_text/sft_teacher.yaml", "SFT on the teacher's completions"),
+    "grpo_replay": ("examples/reverse_text/grpo_replay.yaml", "GRPO + replay of the SFT rows"),
 }
+NO_TEACHER = ("grpo", "grpo_replay")
 HELD_OUT = os.path.join(REPO, "examples", "reverse_text", "data", "test.jsonl")
 
 
@@ -86,6 +96,7 @@ def method_config(args, method: str, root: str) -> str:
 
 def run_method(args, method: str) -> dict:
     root = os.path.abspath(os.path.join(args.out, method))
+    shutil.rmtree(root, ignore_errors=True)  # a fresh run: no steps, logs or scores of an earlier one
     os.makedirs(args.out, exist_ok=True)
     minutes = int(args.minutes)
     seconds = int(round((args.minutes - minutes) * 60))
@@ -93,7 +104,7 @@ def run_method(args, method: str) -> dict:
            "--model.init_args.model", args.student, "--trainer.default_root_dir", root,
            "--trainer.max_time", f"00:00:{minutes:02d}:{seconds:02d}", "--trainer.max_steps", "100000",
            "--trainer.enable_progress_bar", "false"]
-    if method != "grpo":
+    if method not in NO_TEACHER:
         cmd += ["--data.init_args.teacher_model", args.teacher]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     started = time.perf_counter()
@@ -104,9 +115,11 @@ def run_method(args, method: str) -> dict:
         raise RuntimeError(f"{method} failed (exit {proc.returncode}); see {root}.log")
     steps = sorted(int(d.split("_")[1]) for d in os.listdir(os.path.join(root, "weights")) if d.startswith("step_"))
     curve = []
+    evals = EvalLogger(os.path.join(root, "evals"))  # so that `lit-rl report` can overlay the runs
     for step in steps:
         s = score(os.path.join(root, "weights", f"step_{step}"), HELD_OUT, samples=args.samples)
         curve.append({"step": step, **s})
+        evals.log(step, {"eval/held_out/greedy_reward": s["reward"], "eval/held_out/sampled_reward": s["sampled_reward"]})
         print(f"{method} step {step}: greedy {s['reward']:.3f}, sampled {s['sampled_reward']:.3f}", flush=True)
     return {"label": CONFIGS[method][1], "wall_s": wall, "curve": curve}
 
@@ -137,6 +150,9 @@ def main(argv=None) -> None:
     print("\n".join(lines))
     print(f"teacher: greedy {teacher['reward']:.3f}, sampled {teacher['sampled_reward']:.3f}; budget {args.minutes} min "
           f"per run; total {time.perf_counter() - start:.0f} s")
+    runs = [os.path.abspath(os.path.join(args.out, m)) for m in results]
+    report.main([*runs, "--out", os.path.join(args.out, "report.png"), "--metrics", "train/loss", "train/reward",
+                 "eval/held_out/greedy_reward", "eval/held_out/sampled_reward"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"teacher": teacher, "student": student, "settings": vars(args), "results": results}, f, indent=2)
