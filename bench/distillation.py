@@ -24,6 +24,8 @@ into each run's `evals/eval_metrics.csv`, and the curves of all runs overlaid in
 
     .venv/bin/python bench/distillation.py                  # 3 x 4 min of training + scoring
     .venv/bin/python bench/distillation.py --methods opd,grpo --minutes 6 --json out.json
+    .venv/bin/python bench/distillation.py --methods grpo,grpo_replay --steps 60 --out runs/replay_bench
+    .venv/bin/python bench/distillation.py --score-only     # re-score the runs already there, overlay them
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ def parse_args(argv=None):
     p.add_argument("--student", default="runs/reverse_text_sft_short/weights/step_40")
     p.add_argument("--teacher", default="runs/reverse_text_sft/weights/step_300")
     p.add_argument("--minutes", type=float, default=4.0, help="wall-clock budget of each run (Lightning max_time)")
+    p.add_argument("--steps", type=int, default=None, help="a budget of optimizer steps instead of --minutes")
+    p.add_argument("--score-only", action="store_true",
+                   help="train nothing: score the exports of runs already under --out (and overlay them)")
     p.add_argument("--every", type=int, default=10, help="export (and later score) every N optimizer steps")
     p.add_argument("--samples", type=int, default=4, help="completions per held-out prompt for the sampled reward")
     p.add_argument("--fraction", type=float, default=0.9, help="report the first step reaching this share of the teacher's reward")
@@ -94,28 +99,42 @@ def method_config(args, method: str, root: str) -> str:
     return path
 
 
-def run_method(args, method: str) -> dict:
-    root = os.path.abspath(os.path.join(args.out, method))
+def train_method(args, method: str, root: str) -> float:
+    """`lit-rl fit` of the method's example config into a fresh `root`; its wall time in seconds."""
     shutil.rmtree(root, ignore_errors=True)  # a fresh run: no steps, logs or scores of an earlier one
     os.makedirs(args.out, exist_ok=True)
-    minutes = int(args.minutes)
-    seconds = int(round((args.minutes - minutes) * 60))
     cmd = [os.path.join(REPO, ".venv", "bin", "lit-rl"), "fit", "--config", method_config(args, method, root),
            "--model.init_args.model", args.student, "--trainer.default_root_dir", root,
-           "--trainer.max_time", f"00:00:{minutes:02d}:{seconds:02d}", "--trainer.max_steps", "100000",
            "--trainer.enable_progress_bar", "false"]
+    if args.steps:  # a step budget: what each method learns per step, whatever else the machine runs
+        cmd += ["--trainer.max_steps", str(args.steps)]
+    else:
+        minutes = int(args.minutes)
+        seconds = int(round((args.minutes - minutes) * 60))
+        cmd += ["--trainer.max_time", f"00:00:{minutes:02d}:{seconds:02d}", "--trainer.max_steps", "100000"]
     if method not in NO_TEACHER:
         cmd += ["--data.init_args.teacher_model", args.teacher]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     started = time.perf_counter()
     with open(root + ".log", "w") as log:
         proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
-    wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise RuntimeError(f"{method} failed (exit {proc.returncode}); see {root}.log")
+    return time.perf_counter() - started
+
+
+def run_method(args, method: str, student: dict) -> dict:
+    root = os.path.abspath(os.path.join(args.out, method))
+    wall = None if args.score_only else train_method(args, method, root)
+    if not os.path.isdir(os.path.join(root, "weights")):
+        raise RuntimeError(f"{method}: no exports under {root}/weights to score")
     steps = sorted(int(d.split("_")[1]) for d in os.listdir(os.path.join(root, "weights")) if d.startswith("step_"))
     curve = []
-    evals = EvalLogger(os.path.join(root, "evals"))  # so that `lit-rl report` can overlay the runs
+    scores = os.path.join(root, "evals", "eval_metrics.csv")
+    if os.path.exists(scores):
+        os.remove(scores)  # scored afresh
+    evals = EvalLogger(os.path.dirname(scores))  # so that `lit-rl report` can overlay the runs
+    evals.log(0, {"eval/held_out/greedy_reward": student["reward"], "eval/held_out/sampled_reward": student["sampled_reward"]})
     for step in steps:
         s = score(os.path.join(root, "weights", f"step_{step}"), HELD_OUT, samples=args.samples)
         curve.append({"step": step, **s})
@@ -135,7 +154,7 @@ def main(argv=None) -> None:
     student = score(args.student, HELD_OUT, samples=args.samples)
     print(f"teacher: greedy {teacher['reward']:.3f}, sampled {teacher['sampled_reward']:.3f}; "
           f"student: greedy {student['reward']:.3f}, sampled {student['sampled_reward']:.3f}", flush=True)
-    results = {m: run_method(args, m) for m in args.methods}
+    results = {m: run_method(args, m, student) for m in args.methods}
     lines = ["| method | steps in the budget | held-out reward, greedy (start -> end) | held-out reward, sampled (start -> end) "
              f"| first step at {args.fraction:.0%} of the teacher, greedy | same, sampled | run wall time |",
              "|---|---:|---|---|---:|---:|---:|"]
@@ -146,10 +165,13 @@ def main(argv=None) -> None:
         lines.append(f"| {r['label']} | {last['step']} | {student['reward']:.3f} -> {last['reward']:.3f} | "
                      f"{student['sampled_reward']:.3f} -> {last['sampled_reward']:.3f} | "
                      f"{reach[0] if reach[0] is not None else 'not reached'} | "
-                     f"{reach[1] if reach[1] is not None else 'not reached'} | {r['wall_s']:.0f} s |")
+                     f"{reach[1] if reach[1] is not None else 'not reached'} | "
+                     f"{'-' if r['wall_s'] is None else format(r['wall_s'], '.0f') + ' s'} |")
     print("\n".join(lines))
-    print(f"teacher: greedy {teacher['reward']:.3f}, sampled {teacher['sampled_reward']:.3f}; budget {args.minutes} min "
-          f"per run; total {time.perf_counter() - start:.0f} s")
+    budget = "as trained earlier (--score-only)" if args.score_only else (
+        f"{args.steps} steps per run" if args.steps else f"{args.minutes} min per run")
+    print(f"teacher: greedy {teacher['reward']:.3f}, sampled {teacher['sampled_reward']:.3f}; budget {budget}; "
+          f"total {time.perf_counter() - start:.0f} s")
     runs = [os.path.abspath(os.path.join(args.out, m)) for m in results]
     report.main([*runs, "--out", os.path.join(args.out, "report.png"), "--metrics", "train/loss", "train/reward",
                  "eval/held_out/greedy_reward", "eval/held_out/sampled_reward"])

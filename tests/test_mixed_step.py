@@ -4,6 +4,7 @@ divided by its own count over the whole step, however the step is split, packed 
 over ranks (plain SGD, no clipping: a wrong factor would show)."""
 
 import copy
+import dataclasses
 
 import lightning as L
 import pytest
@@ -11,13 +12,15 @@ import torch
 
 from lit_rl.data.mixing import Part, build_mixed_step, split_batch
 from lit_rl.data.samples import Sample
-from lit_rl.losses import masked_cross_entropy_sum, policy_loss, shifted_token_logprobs
+from lit_rl.losses import masked_cross_entropy_sum, opd_loss, policy_loss, shifted_token_logprobs
 from lit_rl.modules.grpo import GRPO
+from lit_rl.modules.opd import OPD
 from lit_rl.modules.model_loading import load_causal_lm
 from helpers import TINY_MODEL
 from test_grpo_step import rollout_samples, sgd
 
 POLICY = Part("policy", "policy_gradient", 3.0, 1)
+OPD_PART = Part("policy", "distillation", 3.0, 1)
 REPLAY = Part("replay", "cross_entropy", 1.0, 1)
 
 
@@ -34,7 +37,7 @@ def replay_samples(n=4, seed=1):
 
 def reference_update(model, rollouts, rows, loss_type):
     """Parameters after one SGD step (lr 1) on policy_loss over the rollouts as [B, T] plus the
-    mean cross-entropy over the replay rows' trained tokens."""
+    mean cross-entropy over the replay rows' trained tokens (`opd_loss` for loss_type "opd")."""
     model = copy.deepcopy(model)
     T = max(len(s) for s in rollouts)
     B = len(rollouts)
@@ -48,7 +51,13 @@ def reference_update(model, rollouts, rows, loss_type):
         mask[b, 0] = False
         adv[b] = next(a for a, m in zip(s.advantages, s.loss_mask) if m)
     lp = torch.stack(lp_rows)  # [B, T]
-    pg, _ = policy_loss(lp, lp.detach(), inf, adv, mask, loss_type=loss_type, max_completion_length=16)
+    if loss_type == "opd":
+        teacher = torch.zeros(B, T)
+        for b, s in enumerate(rollouts):
+            teacher[b, : len(s)] = torch.tensor(s.teacher_logprobs)
+        pg, _ = opd_loss(lp, lp.detach(), inf, teacher, mask)
+    else:
+        pg, _ = policy_loss(lp, lp.detach(), inf, adv, mask, loss_type=loss_type, max_completion_length=16)
     ce_sum, ce_tokens = torch.zeros(()), 0
     for s in rows:
         ids, row_mask = torch.tensor([s.input_ids]), torch.tensor([s.loss_mask])
@@ -65,14 +74,16 @@ def reference_update(model, rollouts, rows, loss_type):
 class MixedShare(L.LightningDataModule):
     """Each rank gets its share of each source, as RolloutDataModule hands them out."""
 
-    def __init__(self, rollouts, rows, **layout):
+    has_teacher = True  # OPD checks that its data module scores with a teacher
+
+    def __init__(self, rollouts, rows, policy=POLICY, **layout):
         super().__init__()
-        self.rollouts, self.rows, self.layout = rollouts, rows, layout
+        self.rollouts, self.rows, self.policy, self.layout = rollouts, rows, policy, layout
 
     def train_dataloader(self):
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
         share = lambda xs: xs[rank * len(xs) // world:(rank + 1) * len(xs) // world]  # noqa: E731
-        step = build_mixed_step([(POLICY, share(self.rollouts)), (REPLAY, share(self.rows))], **self.layout)
+        step = build_mixed_step([(self.policy, share(self.rollouts)), (REPLAY, share(self.rows))], **self.layout)
         return torch.utils.data.DataLoader([step], batch_size=None, collate_fn=lambda x: x)
 
 
@@ -108,6 +119,25 @@ def test_each_source_feeds_its_own_loss_normalised_by_its_own_count(model, loss_
         assert "train/replay/mismatch_kl" not in metrics
         for (name, a), b in zip(want.named_parameters(), module.model.parameters()):
             torch.testing.assert_close(b, a, atol=3e-6, rtol=0, msg=lambda m: f"{loss_type} {budget}/{packing} {name}: {m}")
+
+
+def test_opd_with_replay_sums_the_reverse_kl_part_and_the_cross_entropy_part(model):
+    g = torch.Generator().manual_seed(7)
+    rollouts = [dataclasses.replace(s, teacher_logprobs=[v - 0.5 * float(torch.rand((), generator=g)) if m else 0.0
+                                                         for v, m in zip(s.logprobs, s.loss_mask)])
+                for s in rollout_samples(model, n=6)]
+    rows = replay_samples(4)
+    want, distill, ce = reference_update(model, rollouts, rows, "opd")
+    module = OPD(model=TINY_MODEL, optimizer=sgd, max_grad_norm=None, head_chunk_size=7)
+    module.model = copy.deepcopy(model)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=MixedShare(rollouts, rows, micro_batch_tokens=40, packing="packed", policy=OPD_PART))
+    metrics = trainer.callback_metrics
+    assert metrics["train/loss"].item() == pytest.approx(distill + ce, abs=1e-5)
+    assert metrics["train/replay/loss"].item() == pytest.approx(ce, abs=1e-5)
+    for (name, a), b in zip(want.named_parameters(), module.model.parameters()):
+        torch.testing.assert_close(b, a, atol=3e-6, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.slow

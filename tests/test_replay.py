@@ -52,3 +52,18 @@ def test_options_are_checked_field_by_field(tmp_path):
     assert ReplaySource(path="x.jsonl", group_size=1).problems("r") == []
     _, problems = open_stream(ReplaySource(path=str(tmp_path / "none.jsonl")))
     assert len(problems) == 1 and "data.replay[0]" in problems[0] and "no such file" in problems[0]
+
+
+def test_replay_rows_are_groups_of_one_whatever_the_rollouts_group_size(tmp_path):
+    """A global group size of 8 stays the rollouts'; the replay source's unit is 1 row, so a
+    batch of 10 splits 8 + 2 (with a unit of 8 for the replay rows no split would exist)."""
+    from lit_rl.data.replay import ReplayMix
+
+    path = write_jsonl(tmp_path / "rows.jsonl", reverse_rows(6))
+    mix = ReplayMix([ReplaySource(path=path, weight=1)], rollout_name="policy", rollout_weight=4)
+    problems = []
+    mix.open(tokenizer=TINY_MODEL, chat_template_kwargs=None, trust_remote_code=False, rollout_loss="policy_gradient",
+             group_size=8, world_size=1, batch_size=10, problems=problems)
+    assert not problems
+    assert [(part.name, part.unit, count) for part, count in mix.split] == [("policy", 8, 8), ("replay", 1, 2)]
+    assert mix.rollout_count(10) == 8 and [len(v) for v in mix.take().values()] == [2]
