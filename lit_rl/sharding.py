@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.fsdp.wrap import CustomPolicy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 BODY_METHOD = "lit_rl_body"  # the body's call, registered on the root as an FSDP forward method
 
@@ -102,18 +102,25 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-class DecoderLayerPolicy(CustomPolicy):
+class DecoderLayerPolicy(ModuleWrapPolicy):
     """FSDP1 auto-wrap policy (Lightning's ``FSDPStrategy(auto_wrap_policy=...)``): each decoder
-    layer of the Hugging Face model inside the wrapped module is a unit, its classes found as
-    for FSDP2. FSDP visits modules parent first, so the model is seen before its layers."""
+    layer of the Hugging Face model inside the wrapped module is a unit, its classes found as for
+    FSDP2 when FSDP applies the policy to the module (a ModuleWrapPolicy, as Lightning expects)."""
 
     def __init__(self):
-        self._classes: tuple[type[nn.Module], ...] = ()
-        super().__init__(self._wraps)
+        super().__init__(set())
 
-    def _wraps(self, module: nn.Module) -> bool:
-        from transformers import PreTrainedModel
+    def _run_policy(self, root_module: nn.Module, ignored_modules, root_kwargs):
+        self._module_classes = set(decoder_layer_classes(hf_model_in(root_module)))
+        self._module_classes_str = str(self._module_classes)
+        return super()._run_policy(root_module, ignored_modules, root_kwargs)
 
-        if isinstance(module, PreTrainedModel) and not self._classes:
-            self._classes = decoder_layer_classes(module)
-        return isinstance(module, self._classes)
+
+def hf_model_in(module: nn.Module) -> nn.Module:
+    """The outermost Hugging Face model in `module` (a LightningModule, say)."""
+    from transformers import PreTrainedModel
+
+    for m in module.modules():
+        if isinstance(m, PreTrainedModel):
+            return m
+    raise ValueError(f"no Hugging Face model (PreTrainedModel) found in {type(module).__name__}")

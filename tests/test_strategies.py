@@ -1,0 +1,63 @@
+"""configs/strategies/*.yaml compose with any config; the decoder layers are found from the
+model; `devices: auto` starts 2 CPU processes without a GPU; FSDP1 is refused on CPU with
+Lightning's message. (Training under the strategies: tests/test_ddp.py, tests/test_fsdp.py,
+and on a GPU tests/test_gpu.py.)"""
+
+import pytest
+import torch
+import yaml
+from jsonargparse import Namespace
+
+from helpers import REPO, reverse_rows, write_jsonl
+from lit_rl.cli import auto_devices_without_gpu
+from lit_rl.sharding import DecoderLayerPolicy, decoder_layer_classes
+from test_cli import CONFIG, run
+
+STRATEGIES = REPO / "configs" / "strategies"
+
+
+@pytest.mark.parametrize("name, strategy", [
+    ("ddp", "ddp"),
+    ("fsdp2", "lightning.pytorch.strategies.ModelParallelStrategy"),
+    ("fsdp1", "lightning.pytorch.strategies.FSDPStrategy"),
+])
+def test_strategy_configs_compose_with_an_algorithm_config(name, strategy):
+    out = run(["fit", "--config", CONFIG, "--config", str(STRATEGIES / f"{name}.yaml"), "--print_config"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    config = yaml.safe_load(out.stdout)
+    given = config["trainer"]["strategy"]
+    assert (given if isinstance(given, str) else given["class_path"]) == strategy
+    assert config["trainer"]["devices"] == "auto" and config["trainer"]["accelerator"] == "auto"
+    assert config["model"]["class_path"] == "lit_rl.modules.SFT"  # the first config's module, kept
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_fsdp1_is_refused_on_cpu_with_a_clear_message(tmp_path):
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
+    out = run(["fit", "--config", CONFIG, "--config", str(STRATEGIES / "fsdp1.yaml"), "--data.init_args.path", data,
+               "--data.init_args.val_path", "", "--trainer.default_root_dir", str(tmp_path / "run")])
+    assert out.returncode == 1
+    assert "requires a GPU accelerator" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+def test_decoder_layers_come_from_the_model(tiny_model):
+    layers = list(tiny_model.model.layers)
+    assert decoder_layer_classes(tiny_model) == (type(layers[0]),)
+    container = torch.nn.ModuleDict({"model": tiny_model})  # FSDP1 wraps the LightningModule around the model
+    wrapped = DecoderLayerPolicy()._run_policy(container, set(), {"device_id": None})
+    assert list(wrapped) == layers
+    tiny_model._no_split_modules = ["NoSuchLayer"]
+    with pytest.raises(ValueError, match="_no_split_modules"):
+        decoder_layer_classes(tiny_model)
+
+
+@pytest.mark.parametrize("trainer, devices", [
+    ({"strategy": Namespace(class_path="lightning.pytorch.strategies.ModelParallelStrategy"), "devices": "auto"}, 2),
+    ({"strategy": "ddp", "accelerator": "cpu", "devices": "auto"}, 2),
+    ({"strategy": "ddp", "accelerator": "cpu", "devices": 3}, 3),  # chosen: kept
+    ({"strategy": "auto", "accelerator": "cpu", "devices": "auto"}, "auto"),  # one process: Lightning's auto
+])
+def test_auto_devices_without_a_gpu(monkeypatch, trainer, devices):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    auto_devices_without_gpu(trainer)
+    assert trainer["devices"] == devices
