@@ -13,6 +13,7 @@ before clipping) catches a wrong constant factor, the weights catch a wrong clip
 """
 
 import csv
+import json
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,29 @@ def test_sharded_resume_continues_exactly(runs):
     assert [resumed[s]["train/loss"] for s in (0, 1)] == [straight[s]["train/loss"] for s in (0, 1)]
     a, b = weights(tmp / "two", 2), weights(split, 2)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_grpo_under_fsdp2_with_a_real_server(vllm_server, tmp_path):
+    """GRPO, 2 sharded ranks, synchronous (max_staleness 0), the session's real vLLM server:
+    rank 0 drives the buffer, each rank trains a disjoint half of each batch with the chunked
+    logprob path on the sharded model, and the weights gathered and synced after step 0 are
+    exactly the trained ones (the server's logprobs match the trainer's at step 1)."""
+    from test_grpo_cli import CONFIG as GRPO, grpo_args, shared, trained
+
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(40))
+    root = tmp_path / "run"
+    args = grpo_args(root, data, str(vllm_server.model_dir), 2, *shared(vllm_server), "--data.init_args.max_staleness", "0")
+    args[args.index(GRPO) + 1:args.index(GRPO) + 1] = ["--config", FSDP2]
+    ok(args)
+    rows = [r for r in metrics(root).values() if "train/staleness_max" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["train/tokens"] == pytest.approx(r["train/completion_length"] * 8), r  # both halves trained
+        assert r["train/mismatch_kl"] < 1e-3, r  # the server sampled with exactly the weights trained
+    assert [s["step"] for s in trained(root)] == [0, 1]
+    assert all(x["policy_version"] == s["step"] for s in trained(root) for x in s["samples"])
+    halves = [[{tuple(i) for i in json.loads(line)["samples"]} for line in open(root / "rollouts" / f"trained_rank{r}.jsonl")]
+              for r in (0, 1)]
+    for batch, half0, half1 in zip(trained(root), *halves, strict=True):
+        assert len(half0) == len(half1) == 4 and not half0 & half1
+        assert half0 | half1 == {(s["draw"], s["member"]) for s in batch["samples"]}
