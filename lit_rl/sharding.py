@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+MIXED_PRECISION = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 BODY_METHOD = "lit_rl_body"  # the body's call, registered on the root as an FSDP forward method
 
 
@@ -48,6 +49,11 @@ class FSDP2Options:
     mixed_precision: str | None = None
     cpu_offload: bool = False
     reshard_after_forward: bool = True
+
+    def __post_init__(self):
+        if self.mixed_precision not in (None, *MIXED_PRECISION):
+            raise ValueError(f"model.sharding.mixed_precision must be one of {', '.join(MIXED_PRECISION)} or null, "
+                             f"got {self.mixed_precision!r}")
 
 
 def decoder_layer_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
@@ -75,10 +81,7 @@ def apply_fsdp2(model: nn.Module, device_mesh, options: FSDP2Options | None = No
     options = options or FSDP2Options()
     kwargs = {"mesh": fsdp2_mesh(device_mesh)}
     if options.mixed_precision:
-        from lit_rl.modules.model_loading import resolve_dtype  # here: lit_rl.modules imports this file
-
-        dtype = resolve_dtype(options.mixed_precision)
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=MIXED_PRECISION[options.mixed_precision], reduce_dtype=torch.float32)
     if options.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     layer_classes = decoder_layer_classes(model)

@@ -61,3 +61,15 @@ def test_auto_devices_without_a_gpu(monkeypatch, trainer, devices):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     auto_devices_without_gpu(trainer)
     assert trainer["devices"] == devices
+
+
+def test_a_bad_sharding_option_names_the_flag(capsys, monkeypatch):
+    from lit_rl import cli
+
+    monkeypatch.setattr("sys.argv", ["lit-rl"])
+    with pytest.raises(SystemExit) as e:
+        cli.main(["fit", "--config", CONFIG, "--config", str(STRATEGIES / "fsdp2.yaml"),
+                  "--model.init_args.sharding.mixed_precision", "bf16"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "Traceback" not in err, err[-3000:]
+    assert "model.sharding.mixed_precision must be one of bfloat16, float16 or null, got 'bf16'" in err, err[-3000:]
