@@ -6,7 +6,9 @@ through the real CLI and configs/strategies/fsdp2.yaml as a second --config:
   gradient norm and its clipping are taken over all shards);
 - the HF export gathered from the shards equals the one-process export bit for bit, given
   the same weights (loaded from disk, one step with learning rate 0);
-- a sharded run stopped after step 1 and resumed continues exactly as an uninterrupted one.
+- a sharded run stopped after step 1 and resumed continues exactly as an uninterrupted one;
+- activation checkpointing of the sharded layers does not change the update;
+- GRPO and OPD run under FSDP2 with the real vLLM server.
 
 SGD with momentum and clipping at a norm below the gradients': the logged gradient norm (measured
 before clipping) catches a wrong constant factor, the weights catch a wrong clipping.
@@ -140,3 +142,38 @@ def test_grpo_under_fsdp2_with_a_real_server(vllm_server, tmp_path):
     for batch, half0, half1 in zip(trained(root), *halves, strict=True):
         assert len(half0) == len(half1) == 4 and not half0 & half1
         assert half0 | half1 == {(s["draw"], s["member"]) for s in batch["samples"]}
+
+
+def test_activation_checkpointing_under_fsdp2_gives_the_same_update(runs):
+    """Each sharded layer recomputed in backward (model.gradient_checkpointing): same losses,
+    gradient norms and weights as without."""
+    tmp, data = runs
+    ok(sharded(tmp / "checkpointed", data, 2, "--model.init_args.gradient_checkpointing", "true"))
+    plain, checkpointed = metrics(tmp / "two"), metrics(tmp / "checkpointed")
+    for step in (0, 1):
+        for name in ("train/loss", "train/grad_norm"):
+            assert checkpointed[step][name] == pytest.approx(plain[step][name], rel=1e-6, abs=0), (step, name)
+    a, b = weights(tmp / "two", 2), weights(tmp / "checkpointed", 2)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-7, rtol=0, msg=k)
+
+
+def test_opd_under_fsdp2_with_a_real_server(vllm_server, tmp_path):
+    """OPD, 2 sharded ranks, synchronous, the session's server as the policy's server and as the
+    teacher (no second server to start): the student's logprobs from the sharded model match the
+    server's after every sync, and each rank trains its half of each batch."""
+    from test_opd import CONFIG as OPD, opd_args
+
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(40))
+    root = tmp_path / "run"
+    args = opd_args(root, data, str(vllm_server.model_dir), 2, "--data.init_args.base_url", vllm_server.base_url,
+                    "--data.init_args.server", "{}", "--data.init_args.teacher_model", "null",
+                    "--data.init_args.teacher_server", "{}", "--data.init_args.teacher_base_url", vllm_server.base_url,
+                    "--data.init_args.max_staleness", "0")
+    args[args.index(OPD) + 1:args.index(OPD) + 1] = ["--config", FSDP2]
+    ok(args)
+    rows = [r for r in metrics(root).values() if "train/reverse_kl" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["train/mismatch_kl"] < 1e-3, r  # the trainer's logprobs are the served weights'
+        assert r["train/tokens"] == pytest.approx(r["train/completion_length"] * 8), r
