@@ -84,6 +84,7 @@ def apply_fsdp2(model: nn.Module, device_mesh, options: FSDP2Options | None = No
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=MIXED_PRECISION[options.mixed_precision], reduce_dtype=torch.float32)
     if options.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    check_same_weights(model, kwargs["mesh"])
     layer_classes = decoder_layer_classes(model)
     for module in list(model.modules()):
         if isinstance(module, layer_classes):
@@ -92,6 +93,25 @@ def apply_fsdp2(model: nn.Module, device_mesh, options: FSDP2Options | None = No
     setattr(model, BODY_METHOD, model.base_model.__call__)
     register_fsdp_forward_method(model, BODY_METHOD)
     return model
+
+
+def check_same_weights(model: nn.Module, mesh) -> None:
+    """Collective: refuse to shard weights that differ between ranks. Each rank keeps its own
+    slice of its own copy, so ranks that built different random weights would train a silent
+    mix (DDP broadcasts rank 0's weights; FSDP2 does not). Compares a checksum per parameter."""
+    import torch.distributed as dist
+
+    if mesh.size() == 1:
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    sums = torch.stack([p.detach().double().sum() for p in model.parameters()]).to(device)  # [P]
+    high, low = sums.clone(), -sums
+    group = mesh.get_group()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(low, op=dist.ReduceOp.MAX, group=group)
+    if not torch.allclose(high, -low, rtol=1e-9, atol=1e-9):
+        raise ValueError("the ranks built different weights, which FSDP2 would shard into a mix: with "
+                         "model.random_init, set seed_everything to an integer so every rank builds the same")
 
 
 def body(model: nn.Module):

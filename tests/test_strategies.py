@@ -73,3 +73,46 @@ def test_a_bad_sharding_option_names_the_flag(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert e.value.code == 1 and "Traceback" not in err, err[-3000:]
     assert "model.sharding.mixed_precision must be one of bfloat16, float16 or null, got 'bf16'" in err, err[-3000:]
+
+
+def _build_and_shard(rank: int, port: int, seed_step: int, errors):
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lit_rl.modules.model_loading import load_causal_lm
+    from lit_rl.sharding import apply_fsdp2
+    from helpers import TINY_MODEL
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        apply_fsdp2(load_causal_lm(TINY_MODEL, random_init=True, seed=rank * seed_step), init_device_mesh("cpu", (2,)))
+    except ValueError as e:
+        errors.put((rank, str(e)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_refuses_ranks_with_different_weights(seed_step=1):
+    """Two gloo processes build the tiny model from different seeds: refused on both ranks,
+    naming the fix. (Equal weights are sharded: every FSDP2 run in tests/test_fsdp.py.)"""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    procs = [ctx.Process(target=_build_and_shard, args=(r, port, seed_step, errors)) for r in (0, 1)]
+    [p.start() for p in procs]
+    [p.join(120) for p in procs]
+    assert [p.exitcode for p in procs] == [0, 0]
+    found = []
+    while not errors.empty():
+        found.append(errors.get())
+    assert sorted(r for r, _ in found) == [0, 1] and all("seed_everything" in m for _, m in found), found
