@@ -108,6 +108,8 @@ class LitRLCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
         trainer = config.get("trainer")
+        if trainer is not None:
+            auto_devices_without_gpu(trainer)
         if trainer is not None and trainer.get("logger") in (None, True):
             root = trainer.get("default_root_dir") or "."
             trainer["logger"] = {
@@ -137,6 +139,24 @@ class LitRLCLI(LightningCLI):
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
             callbacks = [*callbacks, StepProgressBar()]
         return super()._instantiate_trainer(config, callbacks)
+
+
+CPU_PROCESSES = 2
+MULTI_PROCESS_STRATEGIES = ("ModelParallelStrategy", "FSDPStrategy", "DDPStrategy")
+
+
+def auto_devices_without_gpu(trainer) -> None:
+    """`devices: auto` under a multi-process strategy (configs/strategies/) on a machine without a
+    GPU starts 2 CPU processes, where Lightning's `auto` would start 1: a strategy config then
+    runs its processes on any machine (every GPU of a GPU machine). `trainer.devices N` chooses."""
+    import torch
+
+    strategy = trainer.get("strategy")
+    name = strategy.get("class_path", "") if hasattr(strategy, "get") else str(strategy or "")
+    multi = name.rsplit(".", 1)[-1] in MULTI_PROCESS_STRATEGIES or name.startswith(("ddp", "fsdp"))
+    on_cpu = trainer.get("accelerator") == "cpu" or (trainer.get("accelerator") in (None, "auto") and not torch.cuda.is_available())
+    if multi and on_cpu and str(trainer.get("devices")) == "auto":
+        trainer["devices"] = CPU_PROCESSES
 
 
 def run_command(args: list[str], argv: list[str] | None) -> None:

@@ -4,7 +4,10 @@
 `every_n_train_steps` optimizer steps, after the last step, and when the run is
 stopped by SIGTERM or Ctrl-C, so `lit-rl fit ... --ckpt_path last` resumes exactly.
 The file is written under a temporary name and renamed: a kill mid-write never leaves
-a truncated `last.ckpt`.
+a truncated `last.ckpt`. Under a sharded strategy (FSDP2 with
+`save_distributed_checkpoint`, FSDP1 with `state_dict_type: sharded`) `last.ckpt` is a
+folder with one file per rank; it is written and renamed the same way, the old folder
+set aside until the new one is in place.
 
 Ctrl-C is made graceful: the first press finishes the current optimizer step, saves and
 exits (code 130); a second press aborts at once. SIGTERM does the same (code 143).
@@ -13,6 +16,7 @@ exits (code 130); a second press aborts at once. SIGTERM does the same (code 143
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from weakref import proxy
 
@@ -22,6 +26,20 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 #: the signal that stopped the last run gracefully (read by `lit_rl.cli.main` for the exit code)
 stopped_by: int | None = None
+
+
+def _replace(new: str, path: str) -> None:
+    """`os.replace`, also for sharded checkpoints (FSDP2 and FSDP1 write a folder, one file per
+    rank), which cannot replace a folder or file in one rename: the old one is renamed aside
+    and removed once the new one is in place."""
+    if os.path.exists(path) and (os.path.isdir(path) or os.path.isdir(new)):
+        old = path + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+        os.replace(new, path)
+        shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+    else:
+        os.replace(new, path)
 
 
 class RunCheckpoint(ModelCheckpoint):
@@ -52,9 +70,13 @@ class RunCheckpoint(ModelCheckpoint):
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
         partial = filepath + ".part"
+        if os.path.isdir(partial):  # a sharded save that was killed: its files must not mix with this one's
+            if trainer.is_global_zero:
+                shutil.rmtree(partial)
+            trainer.strategy.barrier("run_checkpoint_clean")
         trainer.save_checkpoint(partial, self.save_weights_only)
         if trainer.is_global_zero:
-            os.replace(partial, filepath)
+            _replace(partial, filepath)
         trainer.strategy.barrier("run_checkpoint")
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath

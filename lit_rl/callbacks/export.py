@@ -34,6 +34,7 @@ from lit_rl.callbacks.step_files import StepFiles, learn_step_files
 from lit_rl.model_names import load_tokenizer
 from lit_rl.modules.model_loading import resolve_dtype
 from lit_rl.run_dir import STABLE, in_use, stable_steps, step_dir, step_of, sync_dir, unfinished
+from lit_rl.sharding import is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -138,14 +139,22 @@ class HFExport(L.Callback):
     def full_state_dict(self, trainer, pl_module) -> dict[str, torch.Tensor]:
         """Collective: every rank takes part in gathering; rank 0 gets the full tensors."""
         model = pl_module.model
-        if trainer.world_size > 1:
+        if trainer.world_size > 1 or is_sharded(model):  # FSDP2 parameters are DTensors, even on one rank
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         else:
             state = model.state_dict()
         cast = self.dtype
-        return {k: (v.to(cast) if cast and v.is_floating_point() else v).detach().cpu().contiguous() for k, v in state.items()}
+        state = {k: (v.to(cast) if cast and v.is_floating_point() else v).detach().cpu().contiguous() for k, v in state.items()}
+        # Tied parameters (one parameter under several names, e.g. the head and the embeddings) come
+        # back from a gather as separate copies: make them one tensor again, so save_pretrained
+        # writes them once, as it does for an unsharded model.
+        first: dict[int, str] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if name in state:
+                state[name] = state[first.setdefault(id(param), name)]
+        return state
 
     def export(self, trainer, pl_module, step: int) -> Path:
         """Collective under multi-process strategies; rank 0 writes."""

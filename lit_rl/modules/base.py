@@ -38,6 +38,7 @@ from lit_rl.chunked_head import DEFAULT_CHUNK_SIZE, selected_cross_entropy_sum, 
 from lit_rl.losses import masked_cross_entropy_sum, shifted_token_logprobs, token_entropy
 from lit_rl.modules.model_loading import load_causal_lm
 from lit_rl.optim import build_lr_scheduler, trainer_total_steps
+from lit_rl.sharding import FSDP2Options, apply_fsdp2, body, is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class CausalLMModule(L.LightningModule):
         max_grad_norm: float | None = 1.0,
         torch_compile: bool = False,
         head_chunk_size: int = DEFAULT_CHUNK_SIZE,
+        sharding: FSDP2Options | None = None,
     ):
         """
         Args:
@@ -84,6 +86,8 @@ class CausalLMModule(L.LightningModule):
             head_chunk_size: trained positions whose logits are computed at once. The loss's
                 memory is ``head_chunk_size x vocabulary`` floats (1024 x 151,936 x 4 bytes =
                 0.6 GB for Qwen3), whatever the number of trained tokens.
+            sharding: FSDP2 options (mixed precision, CPU offload), used when ``trainer.strategy`` is
+                Lightning's ``ModelParallelStrategy`` (configs/strategies/fsdp2.yaml; lit_rl/sharding.py).
         """
         if head_chunk_size < 1:
             raise ValueError(f"model.head_chunk_size must be >= 1, got {head_chunk_size}")
@@ -100,6 +104,7 @@ class CausalLMModule(L.LightningModule):
         self.max_grad_norm = max_grad_norm
         self.torch_compile = torch_compile
         self.head_chunk_size = head_chunk_size
+        self.sharding = sharding or FSDP2Options()
         self._head_is_plain: bool | None = None  # does the model's forward apply its head and nothing else?
         self.model = None  # built in configure_model
         self.automatic_optimization = False
@@ -121,11 +126,21 @@ class CausalLMModule(L.LightningModule):
             )
             if self.gradient_checkpointing:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self._fsdp2_strategy() and not is_sharded(self.model):
+            if self.torch_compile:
+                raise ValueError("model.torch_compile is not supported with ModelParallelStrategy (FSDP2) yet; set it to false")
+            apply_fsdp2(self.model, self.device_mesh, self.sharding)
         if self.torch_compile and not self._compiled:
             # The body, which training calls directly (the head runs outside, on trained positions).
             # In place: parameter names, exports and checkpoints unchanged.
             self.model.base_model.compile(dynamic=True)
             self._compiled = True
+
+    def _fsdp2_strategy(self) -> bool:
+        """Whether the trainer's strategy expects the module to shard itself (FSDP2)."""
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return self._trainer is not None and isinstance(self._trainer.strategy, ModelParallelStrategy)
 
     # ---- checkpoints must match the model they are loaded into ------------------------------------
     ARCHITECTURE_KEYS = (
@@ -163,8 +178,7 @@ class CausalLMModule(L.LightningModule):
 
     def _hidden_states(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The decoder body's final (normed) hidden states [B, T, H]."""
-        body = self.model.base_model
-        return body(input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"], use_cache=False).last_hidden_state
+        return body(self.model)(input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"], use_cache=False).last_hidden_state
 
     def _uses_plain_head(self, micro_batch: dict[str, torch.Tensor]) -> bool:
         """Whether the model's logits are exactly its output head applied to the body's hidden
@@ -280,9 +294,11 @@ class CausalLMModule(L.LightningModule):
     def _clip_and_measure_grad_norm(self) -> torch.Tensor:
         max_norm = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
         wrapped = self.trainer.strategy.model
-        if hasattr(wrapped, "clip_grad_norm_"):  # FSDP: the norm must be taken over the shards
+        if hasattr(wrapped, "clip_grad_norm_"):  # FSDP1: the norm must be taken over the shards
             return wrapped.clip_grad_norm_(max_norm)
-        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        # FSDP2: gradients are DTensor shards; the norm is taken over all of them (a collective)
+        norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def _empty_micro_batch(self) -> dict[str, torch.Tensor]:
         """Stands in when every row of this rank's step was skipped, so gradient sync still lines up."""
