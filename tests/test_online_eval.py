@@ -148,6 +148,26 @@ def test_sft_with_online_evals_learns_and_logs_every_due_step(tmp_path, reverse_
 
 
 @pytest.mark.slow
+def test_online_evals_under_fsdp2_run_once_from_rank_zero(tmp_path, reverse_data, vllm_server):
+    """Two sharded CPU ranks (configs/strategies/fsdp2.yaml): every rank takes part in each
+    export, rank 0 alone starts the evaluator, and it scores each due step exactly once."""
+    envs = [{"class_path": "lit_rl.rollouts.ReverseTextEnv",
+             "init_args": {"path": str(reverse_data / "test.jsonl"), "num_examples": 5}}]
+    config = write_config(tmp_path, reverse_data, steps=4, interval=2, envs=envs, base_url=vllm_server.base_url)
+    out = fit_on_shared_server(config, vllm_server, "--config", str(REPO / "configs" / "strategies" / "fsdp2.yaml"))
+    assert "Starting with 2 processes" in out.stdout + out.stderr
+    root = tmp_path / "run"
+    versions = eval_metrics(root)["eval/reverse_text/policy_version"]
+    assert versions[0] == 0.0 and versions[4] == 4.0 and set(versions) <= {0, 2, 4}  # base model and final step
+    done = [json.loads(line) for line in open(root / "evals" / "done.jsonl")]
+    steps = [d["step"] for d in done]
+    assert len(steps) == len(set(steps)) and {0, 4} <= set(steps), done  # one evaluator: no step scored twice
+    # a step the evaluator was too busy for is skipped, as in one process
+    assert all(d["status"] == "ok" or (d["step"] == 2 and d["status"] == "skipped") for d in done), done
+    assert (root / "evals" / "evaluator.log").read_text().count("evaluator: serving step 0 ") == 1  # one evaluator
+
+
+@pytest.mark.slow
 def test_vanished_checkpoint_is_skipped_and_training_succeeds(tmp_path, reverse_data, vllm_server):
     envs = [{"class_path": "online_eval_helpers.DeleteFinalStepAtBase",
              "init_args": {"path": str(reverse_data / "test.jsonl"), "num_examples": 5}}]
