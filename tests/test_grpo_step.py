@@ -38,20 +38,30 @@ def rollout_samples(model, n=10, seed=0):
     return samples
 
 
-def reference_update(model, samples, loss_type):
-    """The parameters after one SGD step (lr 1) on policy_loss over all samples as [B, T]."""
-    model = copy.deepcopy(model)
-    T = max(len(s) for s in samples)
-    lp_rows, inf, adv, mask = [], torch.zeros(len(samples), T), torch.zeros(len(samples)), torch.zeros(len(samples), T, dtype=torch.bool)
+def as_batch(model, samples):
+    """The samples as one padded [B, T] batch: the model's logprobs (differentiable), the sampler's
+    logprobs, the teacher's (0 where a sample has none), the trained-token mask and the per-sequence
+    advantages [B]."""
+    T, B = max(len(s) for s in samples), len(samples)
+    lp_rows, inf, teacher = [], torch.zeros(B, T), torch.zeros(B, T)
+    adv, mask = torch.zeros(B), torch.zeros(B, T, dtype=torch.bool)
     for b, s in enumerate(samples):
         ids = torch.tensor([s.input_ids])
         lp = shifted_token_logprobs(model(input_ids=ids, use_cache=False).logits, ids)[0]  # [n]
         lp_rows.append(torch.nn.functional.pad(lp, (0, T - len(s))))
         inf[b, : len(s)] = torch.tensor(s.logprobs)
+        if s.teacher_logprobs is not None:
+            teacher[b, : len(s)] = torch.tensor(s.teacher_logprobs)
         mask[b, : len(s)] = torch.tensor(s.loss_mask)
         mask[b, 0] = False
         adv[b] = next(a for a, m in zip(s.advantages, s.loss_mask) if m)
-    lp = torch.stack(lp_rows)  # [B, T]
+    return torch.stack(lp_rows), inf, teacher, mask, adv
+
+
+def reference_update(model, samples, loss_type):
+    """The parameters after one SGD step (lr 1) on policy_loss over all samples as [B, T]."""
+    model = copy.deepcopy(model)
+    lp, inf, _, mask, adv = as_batch(model, samples)  # [B, T] x 4, [B]
     loss, _ = policy_loss(lp, lp.detach(), inf, adv, mask, loss_type=loss_type, max_completion_length=16)
     loss.backward()
     with torch.no_grad():

@@ -12,12 +12,12 @@ import torch
 
 from lit_rl.data.mixing import Part, build_mixed_step, split_batch
 from lit_rl.data.samples import Sample
-from lit_rl.losses import masked_cross_entropy_sum, opd_loss, policy_loss, shifted_token_logprobs
+from lit_rl.losses import masked_cross_entropy_sum, opd_loss, policy_loss
 from lit_rl.modules.grpo import GRPO
 from lit_rl.modules.opd import OPD
 from lit_rl.modules.model_loading import load_causal_lm
 from helpers import TINY_MODEL
-from test_grpo_step import rollout_samples, sgd
+from test_grpo_step import as_batch, rollout_samples, sgd
 
 POLICY = Part("policy", "policy_gradient", 3.0, 1)
 OPD_PART = Part("policy", "distillation", 3.0, 1)
@@ -39,22 +39,8 @@ def reference_update(model, rollouts, rows, loss_type):
     """Parameters after one SGD step (lr 1) on policy_loss over the rollouts as [B, T] plus the
     mean cross-entropy over the replay rows' trained tokens (`opd_loss` for loss_type "opd")."""
     model = copy.deepcopy(model)
-    T = max(len(s) for s in rollouts)
-    B = len(rollouts)
-    lp_rows, inf, adv, mask = [], torch.zeros(B, T), torch.zeros(B), torch.zeros(B, T, dtype=torch.bool)
-    for b, s in enumerate(rollouts):
-        ids = torch.tensor([s.input_ids])
-        lp = shifted_token_logprobs(model(input_ids=ids, use_cache=False).logits, ids)[0]  # [n]
-        lp_rows.append(torch.nn.functional.pad(lp, (0, T - len(s))))
-        inf[b, : len(s)] = torch.tensor(s.logprobs)
-        mask[b, : len(s)] = torch.tensor(s.loss_mask)
-        mask[b, 0] = False
-        adv[b] = next(a for a, m in zip(s.advantages, s.loss_mask) if m)
-    lp = torch.stack(lp_rows)  # [B, T]
+    lp, inf, teacher, mask, adv = as_batch(model, rollouts)  # [B, T] x 4, [B]
     if loss_type == "opd":
-        teacher = torch.zeros(B, T)
-        for b, s in enumerate(rollouts):
-            teacher[b, : len(s)] = torch.tensor(s.teacher_logprobs)
         pg, _ = opd_loss(lp, lp.detach(), inf, teacher, mask)
     else:
         pg, _ = policy_loss(lp, lp.detach(), inf, adv, mask, loss_type=loss_type, max_completion_length=16)
