@@ -332,10 +332,11 @@ class CausalLMModule(L.LightningModule):
         parts = [name for name, _ in batch.get("parts") or []]
         kinds = sorted({mb.get("loss", "") for mb in micro_batches})  # the same on every rank
         local = torch.zeros(1 + len(kinds) + len(parts), device=self.device)  # [targets, normaliser per kind, targets per part]
-        for mb in micro_batches:
+        part_normalisers = [self._part_normaliser(mb) for mb in micro_batches]  # each micro-batch's, once
+        for mb, part_normaliser in zip(micro_batches, part_normalisers):
             targets = float(mb["loss_mask"][:, 1:].sum())
             local[0] += targets
-            local[1 + kinds.index(mb.get("loss", ""))] += self._part_normaliser(mb)
+            local[1 + kinds.index(mb.get("loss", ""))] += part_normaliser
             if parts:
                 local[1 + len(kinds) + parts.index(mb["part"])] += targets
         counts = self._sum_over_ranks(local)
@@ -361,7 +362,7 @@ class CausalLMModule(L.LightningModule):
                 if parts:
                     add_metric(f"{mb['part']}/{name}", value, count)
             if parts:  # the part's own mean loss: its sum over its own normaliser
-                add_metric(f"{mb['part']}/loss", mb_loss_sum, self._part_normaliser(mb))
+                add_metric(f"{mb['part']}/loss", mb_loss_sum, part_normalisers[i])
         grad_norm = self._clip_and_measure_grad_norm()
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
