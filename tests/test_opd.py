@@ -110,8 +110,10 @@ def test_opd_without_a_teacher_or_with_another_tokenizer_is_refused_before_any_s
 @pytest.mark.slow
 def test_opd_through_the_cli_with_a_managed_teacher(vllm_server, data, tmp_path):
     """The student is the session's server (reloaded by WeightSync), the teacher a server lit-rl
-    starts on other weights: every step logs the reverse KL to it, and nothing is left running."""
-    teacher = write_tiny_checkpoint(tmp_path / "teacher", seed=1)
+    starts on other, sharp weights: every step logs the reverse KL to it, and nothing is left
+    running. Two plain random inits are both nearly uniform (reverse KL 0.008 to 0.06, and OPD
+    shrinks it); the teacher's logits scaled 8x put it near 3 nats."""
+    teacher = write_tiny_checkpoint(tmp_path / "teacher", seed=1, logit_scale=8.0)
     root = tmp_path / "run"
     out = run(opd_args(root, data, str(vllm_server.model_dir), 3,
                        "--data.init_args.base_url", vllm_server.base_url, "--data.init_args.server", "{}",
@@ -119,8 +121,9 @@ def test_opd_through_the_cli_with_a_managed_teacher(vllm_server, data, tmp_path)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = [r for r in metrics_rows(root) if r.get("train/reverse_kl")]
     assert len(rows) == 3, rows
+    print("reverse KL per step:", [round(float(r["train/reverse_kl"]), 3) for r in rows])
     for r in rows:
-        assert float(r["train/reverse_kl"]) > 0.01  # two random inits disagree (0.064 measured; 0 for equal weights)
+        assert float(r["train/reverse_kl"]) > 0.5  # 0 for equal weights
         assert float(r["rollout/teacher_s_per_group"]) > 0
     assert (root / "vllm_teacher.log").is_file()
     left = subprocess.run(["pgrep", "-f", str(teacher)], capture_output=True, text=True).stdout.split()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import TINY_MODEL
 
 from lit_rl.inference.server import VLLMServer
@@ -30,15 +31,22 @@ from lit_rl.run_dir import STABLE, step_dir
 __all__ = ["ServedTinyModel", "write_tiny_checkpoint", "vllm_session_server", "vllm_server"]
 
 
-def write_tiny_checkpoint(path: Path, seed: int) -> Path:
-    """A complete HF checkpoint of the tiny model (random weights from `seed`), marked STABLE."""
+def write_tiny_checkpoint(path: Path, seed: int, logit_scale: float = 1.0) -> Path:
+    """A complete HF checkpoint of the tiny model (random weights from `seed`), marked STABLE.
+
+    `logit_scale` multiplies the final norm's weight, hence every logit (the head is tied): a
+    random init is nearly uniform over the vocabulary, so two of them barely disagree; a scaled
+    one is sharp, which gives a test a teacher that clearly differs from the student."""
     from transformers import AutoTokenizer
 
     from lit_rl.modules.model_loading import load_causal_lm
 
     if not (path / STABLE).is_file():
         path.mkdir(parents=True, exist_ok=True)
-        load_causal_lm(TINY_MODEL, random_init=True, seed=seed).save_pretrained(path)
+        model = load_causal_lm(TINY_MODEL, random_init=True, seed=seed)
+        with torch.no_grad():
+            model.model.norm.weight.mul_(logit_scale)
+        model.save_pretrained(path)
         AutoTokenizer.from_pretrained(TINY_MODEL).save_pretrained(path)
         (path / STABLE).touch()
     return path
