@@ -44,9 +44,13 @@ def _text_pool(seed: int, size: int = 1 << 16) -> str:
     return " ".join(words)
 
 
-def make_chats(n: int, *, seed: int = 0, min_tokens: int = 24, max_tokens: int = 120):
+def make_chats(n: int, *, seed: int = 0, min_tokens: int = 24, max_tokens: int = 120, answer_share: float | None = None):
     """Yield `n` one-turn chats ({"messages": [user, assistant]}), each exactly `min_tokens`..`max_tokens`
-    tokens long once rendered with the tiny model's chat template (length uniform in that range)."""
+    tokens long once rendered with the tiny model's chat template (length uniform in that range).
+    The content splits between the turns at random, or with `answer_share` of it in the answer
+    (so that a fixed fraction of the tokens is trained, e.g. 0.4)."""
+    if answer_share is not None and not 0.0 < answer_share < 1.0:
+        raise ValueError(f"answer_share must be in (0, 1), got {answer_share}")
     if min_tokens < SCAFFOLD_TOKENS + 2:
         raise ValueError(f"min_tokens must be >= {SCAFFOLD_TOKENS + 2} (the template scaffold plus one character a turn)")
     rng = random.Random(seed)
@@ -55,6 +59,8 @@ def make_chats(n: int, *, seed: int = 0, min_tokens: int = 24, max_tokens: int =
     for _ in range(n):
         body = rng.randint(min_tokens, max_tokens) - SCAFFOLD_TOKENS
         user_len = rng.randint(1, body - 1)
+        if answer_share is not None:
+            user_len = min(max(1, round(body * (1.0 - answer_share))), body - 1)
         a, b = rng.randrange(span), rng.randrange(span)
         user = pool[a : a + user_len]
         answer = pool[b : b + body - user_len]

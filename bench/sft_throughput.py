@@ -142,6 +142,8 @@ def parse_args(argv=None):
     p.add_argument("--rows", type=int, default=None, help="rows in the data file (default: just enough for one run)")
     p.add_argument("--min-tokens", type=int, default=24, help="shortest rendered chat")
     p.add_argument("--max-tokens", type=int, default=120, help="longest rendered chat")
+    p.add_argument("--answer-share", type=float, default=None,
+                   help="fraction of each chat's content in the (trained) answer; default: a random split per chat")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--vocab-size", type=int, default=None,
                    help="rows of the output head and embedding (default: the tiny model's 320); e.g. 151936 (Qwen3)")
@@ -613,7 +615,7 @@ def summarize(args, runs: dict[Contender, list[dict]], elapsed: float, rows_chec
         },
         "settings": {
             k: getattr(args, k)
-            for k in ("rounds", "warmup", "steps", "batch_size", "max_length", "rows", "min_tokens", "max_tokens", "lr",
+            for k in ("rounds", "warmup", "steps", "batch_size", "max_length", "rows", "min_tokens", "max_tokens", "answer_share", "lr",
                       "vocab_size", "head_chunk_size", "threads", "seed", "quiet_wait", "max_foreign", "retries", "max_wall")
         },
         "same_trained_tokens_every_step": same_tokens,
@@ -667,7 +669,8 @@ def main(argv=None) -> dict:
 
         torch.set_num_threads(args.threads)
         data_path = write_chats_jsonl(
-            os.path.join(workdir, "chats.jsonl"), args.rows, seed=args.seed, min_tokens=args.min_tokens, max_tokens=args.max_tokens
+            os.path.join(workdir, "chats.jsonl"), args.rows, seed=args.seed, min_tokens=args.min_tokens, max_tokens=args.max_tokens,
+            answer_share=args.answer_share,
         )
         rows_checked = check_trl_masks(args, data_path) if any(c.kind == "trl" for c in args.contenders) else 0
         runs: dict[Contender, list[dict]] = {c: [] for c in args.contenders}
