@@ -118,3 +118,28 @@ def test_assistant_turns_inside_a_prompt_are_context(tmp_path):
     trained = renderer.tokenizer.decode([t for t, m in zip(s.input_ids, s.loss_mask) if m])
     assert trained == "zyx<|im_end|>"
     assert "cba" in renderer.tokenizer.decode(s.input_ids)
+
+
+def test_num_workers_auto_renders_inline_only_when_torch_has_every_core(tmp_path):
+    """`auto` (the default): no worker on a CPU-only machine whose cores torch's threads already
+    use (a worker would preempt one: docs/benchmarks.md); one worker once a core is spare."""
+    import torch
+
+    from lit_rl.data.workers import resolve_num_workers, usable_cores
+
+    assert not torch.cuda.is_available(), "this test reads the CPU-only rule"
+    dm = StaticDataModule(write_jsonl(tmp_path / "t.jsonl", reverse_rows(8)), batch_size=4, tokenizer=TINY_MODEL)
+    dm.setup("fit")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(usable_cores())
+        assert dm.num_workers == "auto" and dm.train_dataloader().num_workers == 0
+        if usable_cores() > 1:
+            torch.set_num_threads(usable_cores() - 1)
+            assert dm.train_dataloader().num_workers == 1
+    finally:
+        torch.set_num_threads(threads)
+    assert resolve_num_workers(3) == 3 and resolve_num_workers(0) == 0
+    for bad in (-1, "two", 1.5, True):
+        with pytest.raises(ValueError, match="data.num_workers must be 'auto' or a number >= 0"):
+            StaticDataModule("unused.jsonl", num_workers=bad)

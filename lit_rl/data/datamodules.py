@@ -8,6 +8,7 @@ under `micro_batch_tokens`. See docs/data.md for formats and masking rules.
 from __future__ import annotations
 
 import warnings
+from typing import Literal
 
 import lightning as L
 import torch
@@ -15,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lit_rl.data.sampler import StepBatchSampler
 from lit_rl.data.steps import RowRenderer, StepDataset, open_row_renderer
+from lit_rl.data.workers import resolve_num_workers
 
 PACKING_MODES = ("padded", "packed")
 BAD_ROW_POLICIES = ("error", "skip")
@@ -54,7 +56,7 @@ class StaticDataModule(L.LightningDataModule):
         pack_length: int | None = None,
         max_length: int = 2048,
         bad_rows: str = "error",
-        num_workers: int = 1,
+        num_workers: int | Literal["auto"] = "auto",
         tokenizer: str | None = None,
         trust_remote_code: bool = False,
         chat_template_kwargs: dict | None = None,
@@ -84,7 +86,9 @@ class StaticDataModule(L.LightningDataModule):
             pack_length: row length in ``packed`` mode; defaults to ``micro_batch_tokens``.
             max_length: longer samples are cut to this many tokens (and counted as truncated).
             bad_rows: ``error`` stops at a bad row naming it; ``skip`` counts and logs it.
-            num_workers: DataLoader worker processes that render the next steps.
+            num_workers: DataLoader worker processes that render the next steps. ``auto``: none
+                (render inline) when training on CPU with torch on every core, where a worker
+                would take a core from torch; otherwise 1 (lit_rl/data/workers.py).
             tokenizer: tokenizer name or path; defaults to the model's.
             trust_remote_code: allow tokenizer code from the hub. Off by default.
             chat_template_kwargs: extra variables for the chat template (e.g. enable_thinking).
@@ -101,6 +105,7 @@ class StaticDataModule(L.LightningDataModule):
         self.max_examples, self.shuffle, self.seed = max_examples, shuffle, seed
         self.batch_size, self.micro_batch_tokens, self.packing = batch_size, micro_batch_tokens, packing
         self.pack_length, self.max_length, self.bad_rows = pack_length, max_length, bad_rows
+        resolve_num_workers(num_workers)  # a bad value fails here, before any data is read
         self.num_workers, self.tokenizer_name = num_workers, tokenizer
         self.trust_remote_code, self.chat_template_kwargs = trust_remote_code, chat_template_kwargs
         self._train: StepDataset | None = None
@@ -169,13 +174,14 @@ class StaticDataModule(L.LightningDataModule):
 
     # ---- loaders -------------------------------------------------------------------------
     def _loader(self, dataset: StepDataset, sampler: StepBatchSampler) -> torch.utils.data.DataLoader:
+        num_workers = resolve_num_workers(self.num_workers)  # now: the strategy may have set torch's threads
         return torch.utils.data.DataLoader(
             dataset,
             sampler=sampler,
             batch_size=None,  # each sampler item is a whole step; the dataset packs it
             collate_fn=_identity,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
+            num_workers=num_workers,
+            persistent_workers=num_workers > 0,
         )
 
     def _rank(self) -> tuple[int, int]:
