@@ -19,7 +19,7 @@ Contenders (``--contenders``: comma separated ``kind_layout[/key=value...]``):
                               packing=True with its default "bfd" strategy feeds the model the
                               same flattened layout).
   Options: mbt=<micro_batch_tokens> and pack=<pack_length> (lit/plain), workers=<num_workers>
-  (lit), mb=<rows per forward> (TRL; the rest of the step's rows go to gradient accumulation),
+  (lit: a number or auto, lit-rl's default), mb=<rows per forward> (TRL; the rest of the step's rows go to gradient accumulation),
   trldefaults=1 (TRL: keep SFTConfig's own bf16=True and gradient_checkpointing=True, which
   every other TRL run turns off because both slow a CPU down), compile=1 (all kinds:
   torch.compile the model with dynamic shapes: lit-rl SFT(torch_compile=True), the plain loop
@@ -95,7 +95,7 @@ class Contender:
     layout: str  # padded | packed | padding_free
     micro_batch_tokens: int
     pack_length: int | None
-    num_workers: int
+    num_workers: int | str  # a number or "auto" (lit-rl's default)
     trl_micro_batch: int
     trl_own_defaults: int = 0  # 1: keep SFTConfig's bf16=True and gradient_checkpointing=True (slow on CPU)
     compile: int = 0  # 1: torch.compile the model (lit: SFT(torch_compile=True); TRL: torch_compile=True)
@@ -119,7 +119,7 @@ def parse_contender(spec: str, args) -> Contender:
         key, _, value = opt.partition("=")
         if key not in OPTIONS or not value:
             raise ValueError(f"{spec}: options are {sorted(OPTIONS)} as key=value")
-        values[OPTIONS[key]] = int(value)
+        values[OPTIONS[key]] = value if key == "workers" and value == "auto" else int(value)
     if args.batch_size % values["trl_micro_batch"]:
         raise ValueError(f"{spec}: mb must divide --batch-size")
     if values["full_head"] and kind != "plain":
@@ -137,7 +137,9 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch-tokens", type=int, default=2048, help="lit-rl token slots per micro-batch (default of mbt=)")
     p.add_argument("--pack-length", type=int, default=None, help="lit-rl packed row length (default of pack=; None: micro-batch-tokens)")
     p.add_argument("--max-length", type=int, default=128)
-    p.add_argument("--num-workers", type=int, default=1, help="lit-rl DataLoader workers (default of workers=; the example config uses 1)")
+    p.add_argument("--num-workers", type=lambda v: v if v == "auto" else int(v), default="auto",
+                   help="lit-rl DataLoader workers (default of workers=): a number, or auto (lit-rl's default: 0 on a "
+                        "CPU-only machine with torch on every core, else 1)")
     p.add_argument("--trl-micro-batch", type=int, default=None, help="TRL rows per forward (default of mb=; None: batch-size)")
     p.add_argument("--rows", type=int, default=None, help="rows in the data file (default: just enough for one run)")
     p.add_argument("--min-tokens", type=int, default=24, help="shortest rendered chat")
