@@ -158,7 +158,9 @@ class _SelectedCrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total):
-        grads = tuple(None if g is None else (g * grad_total).to(dt) for g, dt in zip(ctx.grads, ctx.dtypes))
+        # Scaled in place: the buffers are this call's own and released here, so a [V, H] weight
+        # gradient is not held twice next to the one autograd accumulates into.
+        grads = tuple(None if g is None else g.mul_(grad_total).to(dt) for g, dt in zip(ctx.grads, ctx.dtypes))
         ctx.grads = None
         return (*grads, None, None, None)
 

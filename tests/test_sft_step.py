@@ -91,6 +91,13 @@ def test_torch_compile_gives_the_same_update_and_state_dict_names(data_file):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
+def test_no_gradient_is_held_between_steps(data_file):
+    """A weight-sized gradient left over after the optimizer step would sit in memory through
+    validation, exports and checkpoints until the next step frees it."""
+    _, module, _ = one_step(data_file, micro_batch_tokens=256, packing="packed")
+    assert all(p.grad is None for p in module.model.parameters())
+
+
 def test_gradient_checkpointing_gives_the_same_update(data_file):
     _, reference, _ = one_step(data_file, micro_batch_tokens=4096, packing="padded")
     _, checkpointed, _ = one_step(data_file, micro_batch_tokens=4096, packing="padded", gradient_checkpointing=True)

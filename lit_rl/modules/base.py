@@ -366,6 +366,9 @@ class CausalLMModule(L.LightningModule):
         grad_norm = self._clip_and_measure_grad_norm()
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
+        # Gradients are freed at once, not at the next step: validation, exports and checkpoints
+        # between steps then run without a second copy of the weights' size in memory.
+        optimizer.zero_grad(set_to_none=True)
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
