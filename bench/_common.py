@@ -93,6 +93,17 @@ def machine_busy_s() -> float | None:
     return (sum(fields) - fields[3] - fields[4]) / _HZ
 
 
+def resident_gb() -> float | None:
+    """This process's resident set now, in GB (10^9 bytes), from /proc/self/statm (None off Linux).
+    Unlike ru_maxrss (the peak), it tells what a run holds between its peaks."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except OSError:
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") / 1e9
+
+
 def tree_pids(root: int | None = None) -> list[int]:
     """root (default: this process) and its live descendants (e.g. DataLoader workers), from /proc."""
     root = os.getpid() if root is None else root

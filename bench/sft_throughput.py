@@ -35,7 +35,8 @@ fine for timing. At 151,936 (Qwen3's vocabulary) the output head dominates the s
 
 Memory: every run is a fresh process (spawned), so its peak resident set (ru_maxrss) is its
 own: the table gives the trainer process's peak and, for lit-rl, the largest DataLoader
-worker's peak beside it.
+worker's peak beside it. It also gives the resident set at the end of the last step: what the
+process holds between steps (libraries, weights, optimizer state), the floor under its peak.
 TRL trains the same tokens through assistant_only_loss=True, with the tiny model's own template
 plus {% generation %} markers (checked token for token against lit-rl's masks before timing).
 
@@ -75,7 +76,8 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
-    TINY_MODEL, cpu_snapshot, exit_on_sigterm, foreign_cores, report, tree_pids, wait_until_quiet, write_chats_jsonl,
+    TINY_MODEL, cpu_snapshot, exit_on_sigterm, foreign_cores, report, resident_gb, tree_pids, wait_until_quiet,
+    write_chats_jsonl,
 )
 
 KINDS = {"lit": ("padded", "packed"), "plain": ("padded", "packed"), "trl": ("padded", "padding_free")}
@@ -198,6 +200,7 @@ class StepClock:
         self.slots: list[int] = []  # token slots fed to the model (incl. padding)
         self.micro_batches: list[int] = []
         self.threads: set[int] = set()
+        self.resident_gb: list[float | None] = []  # the resident set at the end of each step
         self._pids: list[int] | None = None
         self._cpu_first = self._cpu_start = self._cpu_end = None
 
@@ -210,6 +213,7 @@ class StepClock:
         self.slots.append(int(slots))
         self.micro_batches.append(int(micro_batches))
         self.threads.add(torch.get_num_threads())
+        self.resident_gb.append(resident_gb())
         step = len(self.times)
         if step == 1:
             self._pids = tree_pids()  # this process and its DataLoader workers, fixed from here on
@@ -242,6 +246,9 @@ class StepClock:
             "step_tokens": self.tokens,  # every step, warm-up included: equal across contenders
             "torch_threads": sorted(self.threads),
             "foreign_cores": foreign_cores(self._cpu_start, self._cpu_end, elapsed),
+            # what the run holds between steps: libraries, weights, optimizer state (and gradients
+            # where a trainer keeps them until the next step): the floor under its peak
+            "step_end_rss_gb": self.resident_gb[-1],
         }
 
 
@@ -520,6 +527,11 @@ def _quiet():
     datasets.disable_progress_bars()
 
 
+def _median_or_none(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
 def summarize(args, runs: dict[Contender, list[dict]], elapsed: float, rows_checked: int) -> dict:
     contenders = {}
     for c, all_results in runs.items():
@@ -545,6 +557,7 @@ def summarize(args, runs: dict[Contender, list[dict]], elapsed: float, rows_chec
             "torch_threads": sorted({t for r in results for t in r["torch_threads"]}),
             "peak_rss_gb_runs": [round(r["peak_rss_gb"], 3) for r in results],
             "peak_rss_gb_median": statistics.median(r["peak_rss_gb"] for r in results),
+            "step_end_rss_gb_median": _median_or_none(r["step_end_rss_gb"] for r in results),
             "worker_peak_rss_gb_median": statistics.median(r["children_peak_rss_gb"] for r in results),
             "settings": {k: v for k, v in dataclasses.asdict(c).items() if k != "name"},
         }
@@ -599,7 +612,9 @@ def summarize(args, runs: dict[Contender, list[dict]], elapsed: float, rows_chec
             ratio = mem[lit] / mem[trl_best]
             targets[f"lit_peak_memory_le_{memory_bar}x_trl"] = {
                 "pair": [lit, trl_best], "ratio": ratio, "met": ratio <= memory_bar,
-                "reliable": not (thin[lit] or thin[trl_best])}
+                "reliable": not (thin[lit] or thin[trl_best]),
+                # what lit-rl holds between steps against the bar: above it, no step could meet it
+                "bar_gb": memory_bar * mem[trl_best], "lit_step_end_rss_gb": contenders[lit]["step_end_rss_gb_median"]}
     import lightning
     import torch
     import transformers
@@ -633,12 +648,12 @@ def summarize(args, runs: dict[Contender, list[dict]], elapsed: float, rows_chec
 def markdown(summary: dict) -> str:
     lines = [
         "| contender | trained tok/s (median of undisturbed runs) | runs | s/step | trained tok/step | slots/step | slots per trained tok "
-        "| micro-batches/step | peak RSS GB (worker) | other procs' cores per run |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "| micro-batches/step | peak RSS GB (worker) | RSS at step end GB | other procs' cores per run |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, c in summary["contenders"].items():
         if c["tokens_per_s_median"] is None:
-            lines.append(f"| {name} | no number: every run disturbed (or none started) | | | | | | | | |")
+            lines.append(f"| {name} | no number: every run disturbed (or none started) | | | | | | | | | |")
             continue
         worker = c["worker_peak_rss_gb_median"]
         lines.append(
@@ -646,6 +661,7 @@ def markdown(summary: dict) -> str:
             f"{c['step_s_median']:.3f} | {c['trained_tokens_per_step']:.0f} | {c['slots_per_step']:.0f} | "
             f"{c['slots_per_trained_token']:.2f} | {c['micro_batches_per_step']:.1f} | "
             f"{c['peak_rss_gb_median']:.2f}" + (f" ({worker:.2f})" if worker else "") + " | "
+            + ("?" if c["step_end_rss_gb_median"] is None else f"{c['step_end_rss_gb_median']:.2f}") + " | "
             f"{', '.join('?' if x is None else f'{x:.2f}' for x in c['foreign_cores_runs'])} |"
         )
     lines.append("")
@@ -655,6 +671,10 @@ def markdown(summary: dict) -> str:
     for name, t in summary["targets"].items():
         lines.append(f"- target {name}: {t['pair'][0]} / {t['pair'][1]} = **{t['ratio']:.2f}x** -> {'met' if t['met'] else 'NOT met'}"
                      + ("" if t["reliable"] else warn))
+        floor = t.get("lit_step_end_rss_gb")
+        if floor is not None:  # what lit-rl holds before a step adds its activations, logits and gradient buffers
+            lines.append(f"  - {t['pair'][0]} holds {floor:.2f} GB at the end of a step (libraries, weights, "
+                         f"AdamW state); the bar is {t['bar_gb']:.2f} GB")
     lines.append(f"- same trained tokens in every step for every contender: {summary['same_trained_tokens_every_step']}")
     return "\n".join(lines)
 
