@@ -7,7 +7,7 @@ through the real CLI and configs/strategies/fsdp2.yaml as a second --config:
 - the HF export gathered from the shards equals the one-process export bit for bit, given
   the same weights (loaded from disk, one step with learning rate 0);
 - a sharded run stopped after step 1 and resumed continues exactly as an uninterrupted one;
-- activation checkpointing of the sharded layers does not change the update;
+- activation checkpointing recomputes every sharded layer in backward and does not change the update;
 - GRPO and OPD run under FSDP2 with the real vLLM server.
 
 SGD with momentum and clipping at a norm below the gradients': the logged gradient norm (measured
@@ -16,6 +16,7 @@ before clipping) catches a wrong constant factor, the weights catch a wrong clip
 
 import csv
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.slow
 FSDP2 = str(REPO / "configs" / "strategies" / "fsdp2.yaml")
 # measured: the largest weight difference after 2 steps was 1.2e-7 (float32 sums in another order)
 ATOL = 1e-6
+N_LAYERS = json.loads((REPO / "lit_rl" / "assets" / "tiny_qwen3" / "config.json").read_text())["num_hidden_layers"]
 
 
 def fit(root: Path, data: str, steps: int, *extra: str, configs=()) -> list[str]:
@@ -145,10 +147,21 @@ def test_grpo_under_fsdp2_with_a_real_server(vllm_server, tmp_path):
 
 
 def test_activation_checkpointing_under_fsdp2_gives_the_same_update(runs):
-    """Each sharded layer recomputed in backward (model.gradient_checkpointing): same losses,
-    gradient norms and weights as without."""
+    """Each sharded layer recomputed in backward (model.gradient_checkpointing): every layer's
+    forward runs twice per forward of the model on both ranks, and the losses, gradient norms
+    and weights are the same as without."""
     tmp, data = runs
-    ok(sharded(tmp / "checkpointed", data, 2, "--model.init_args.gradient_checkpointing", "true"))
+    counted = tmp / "checkpointed" / "layer_forwards"
+    out = run(sharded(tmp / "checkpointed", data, 2, "--model.init_args.gradient_checkpointing", "true",
+                      "--trainer.callbacks+=layer_forward_counter.CountLayerForwards",
+                      "--trainer.callbacks.out_dir", str(counted)),
+              env={"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))})
+    assert out.returncode == 0, out.stderr[-4000:]
+    for rank in (0, 1):
+        counts = json.loads((counted / f"rank{rank}.json").read_text())
+        layers = {k: v for k, v in counts.items() if k.startswith("layers.")}
+        assert counts["embed_tokens"] > 0 and len(layers) == N_LAYERS, counts
+        assert all(v == 2 * counts["embed_tokens"] for v in layers.values()), counts  # forward + recompute
     plain, checkpointed = metrics(tmp / "two"), metrics(tmp / "checkpointed")
     for step in (0, 1):
         for name in ("train/loss", "train/grad_norm"):
