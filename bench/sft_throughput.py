@@ -200,7 +200,7 @@ class StepClock:
         self.slots: list[int] = []  # token slots fed to the model (incl. padding)
         self.micro_batches: list[int] = []
         self.threads: set[int] = set()
-        self.resident_gb: list[float | None] = []  # the resident set at the end of each step
+        self.last_resident_gb: float | None = None  # the resident set at the end of the latest step
         self._pids: list[int] | None = None
         self._cpu_first = self._cpu_start = self._cpu_end = None
 
@@ -213,7 +213,7 @@ class StepClock:
         self.slots.append(int(slots))
         self.micro_batches.append(int(micro_batches))
         self.threads.add(torch.get_num_threads())
-        self.resident_gb.append(resident_gb())
+        self.last_resident_gb = resident_gb()
         step = len(self.times)
         if step == 1:
             self._pids = tree_pids()  # this process and its DataLoader workers, fixed from here on
@@ -248,7 +248,7 @@ class StepClock:
             "foreign_cores": foreign_cores(self._cpu_start, self._cpu_end, elapsed),
             # what the run holds between steps: libraries, weights, optimizer state (and gradients
             # where a trainer keeps them until the next step): the floor under its peak
-            "step_end_rss_gb": self.resident_gb[-1],
+            "step_end_rss_gb": self.last_resident_gb,
         }
 
 
