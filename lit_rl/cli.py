@@ -23,7 +23,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lit_rl.callbacks import checkpoint
+from lit_rl import stopping
+from lit_rl.callbacks.checkpoint import RunCheckpoint
 from lit_rl.callbacks.progress import StepProgressBar
 from lit_rl.errors import DEBUG_ENV, UserError, debug, user_message
 from lit_rl.modules.base import CausalLMModule
@@ -135,7 +136,7 @@ class LitRLCLI(LightningCLI):
     def _instantiate_trainer(self, config, callbacks):
         given = [*(config.get("callbacks") or []), *callbacks]
         if config.get("enable_checkpointing") is not False and not any(isinstance(c, ModelCheckpoint) for c in given):
-            callbacks = [*callbacks, checkpoint.RunCheckpoint()]
+            callbacks = [*callbacks, RunCheckpoint()]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
             callbacks = [*callbacks, StepProgressBar()]
         return super()._instantiate_trainer(config, callbacks)
@@ -178,7 +179,9 @@ def run_command(args: list[str], argv: list[str] | None) -> None:
         LitRLCLI(args=argv)
     except SIGTERMException:
         # stopped by SIGTERM or Ctrl-C after saving a resumable checkpoint
-        raise SystemExit(128 + int(checkpoint.stopped_by or 15)) from None
+        signum = int(stopping.stopped_by or 15)
+        print(stopping.summary(signum), file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum) from None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,17 +6,14 @@ The bound and resume tests use the session's shared server (`base_url`): the run
 sync reloads it from the run directory, and the fixture restores its weights afterwards.
 """
 
-import csv
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from helpers import REPO, reverse_rows, write_jsonl
 from test_cli import LIT_RL, metrics_rows, run
@@ -151,30 +148,3 @@ def test_two_ranks_share_each_batch(vllm_server, data, tmp_path):
         assert len(ids0) == len(ids1) == 4
         assert not ids0 & ids1, (half0, half1)
         assert ids0 | ids1 == {(s["draw"], s["member"]) for s in batch["samples"]}
-
-
-def test_online_evals_of_a_grpo_run(vllm_server, data, tmp_path):
-    """OnlineEval works for GRPO as for SFT: the rollouts use a server lit-rl starts, the
-    evaluator the session's server; the base model, the interval step and the final step are
-    scored with the weights GRPO trained (the evaluator's policy_version is the step)."""
-    config = yaml.safe_load(open(CONFIG))
-    config["trainer"]["callbacks"].append({
-        "class_path": "lit_rl.callbacks.OnlineEval",
-        "init_args": {"interval": 2, "base_url": vllm_server.base_url, "final_timeout": 300,
-                      "envs": [{"class_path": "lit_rl.rollouts.ReverseTextEnv",
-                                "init_args": {"path": data, "num_examples": 5}}]},
-    })
-    path = tmp_path / "grpo_evals.yaml"
-    path.write_text(yaml.safe_dump(config))
-    root = tmp_path / "run"
-    args = grpo_args(root, data, str(vllm_server.model_dir), 3)
-    args[args.index(CONFIG)] = str(path)
-    out = run(args)
-    assert out.returncode == 0, out.stderr[-4000:]
-    done = [json.loads(line) for line in open(root / "evals" / "done.jsonl")]
-    status = {d["step"]: d["status"] for d in done}
-    assert status[0] == "ok" and status[3] == "ok" and status.get(2) in ("ok", "skipped"), status
-    versions = {int(row["step"]): float(row["value"]) for path in root.glob("logs/version_*/eval_metrics.csv")
-                for row in csv.DictReader(open(path)) if row["name"] == "eval/reverse_text/policy_version"}
-    assert versions[0] == 0.0 and versions[3] == 3.0, versions  # the evaluator served the run's own steps
-    assert (root / "evals" / "step_3" / "reverse_text.jsonl").is_file()

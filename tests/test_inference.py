@@ -291,7 +291,7 @@ class FakeServer(VLLMServer):
         )
         return [sys.executable, "-c", script]
 
-    def wait_healthy(self):
+    def wait_healthy(self, interrupt=None):
         time.sleep(0.5)
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from lit_rl.run_dir import stable_steps, unfinished
 from helpers import REPO, TINY_MODEL, reverse_rows, write_jsonl
-from test_cli import CONFIG, metrics_rows, run
+from test_cli import CONFIG, run
 
 pytestmark = pytest.mark.slow
 

@@ -8,11 +8,10 @@ The session's vLLM server plays the teacher (nothing reloads it: there is no Wei
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 from helpers import REPO, TINY_MODEL, reverse_rows, write_jsonl
-from test_cli import metrics_rows, run
+from test_cli import run
 from test_rollout_buffer import FAST, LOGPROB_TOL, TOK, collect, hf_logprobs
 
 from lit_rl.rollouts.buffer import RolloutBuffer
@@ -110,20 +109,3 @@ def test_every_source_problem_is_reported_at_once_before_any_server(data, tmp_pa
                        "--data.init_args.teacher_server", "{}", "--trainer.max_steps", "2"))
     assert out.returncode == 1 and "SFT may not train on the policy's own samples" in out.stderr, out.stderr[-3000:]
     assert not list(tmp_path.glob("*/vllm*.log"))  # refused before any server started
-
-
-@pytest.mark.slow
-def test_sft_on_teacher_completions_through_the_cli(vllm_server, data, tmp_path):
-    root = tmp_path / "run"
-    out = run(sft_args(root, data, "--data.init_args.teacher_model", "null", "--data.init_args.teacher_server", "{}",
-                       "--data.init_args.teacher_base_url", vllm_server.base_url, "--trainer.max_steps", "3"))
-    assert out.returncode == 0, out.stderr[-4000:]
-    rows = [r for r in metrics_rows(root) if r.get("train/loss")]
-    assert len(rows) == 3
-    for r in rows:
-        assert float(r["train/tokens"]) == pytest.approx(float(r["train/completion_length"]) * 4)  # the teacher's tokens
-        assert float(r["train/staleness_max"]) == 0.0  # teacher samples never age
-        assert float(r["train/loss"]) > 0
-    steps = [json.loads(line) for line in open(root / "rollouts" / "trained.jsonl")]
-    assert [s["step"] for s in steps] == [0, 1, 2] and all(len(s["samples"]) == 4 for s in steps)
-    assert (root / "weights" / "step_3").is_dir()  # HFExport still writes the student's checkpoints

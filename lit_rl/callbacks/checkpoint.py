@@ -10,7 +10,8 @@ folder with one file per rank; it is written and renamed the same way, the old f
 set aside until the new one is in place.
 
 Ctrl-C is made graceful: the first press finishes the current optimizer step, saves and
-exits (code 130); a second press aborts at once. SIGTERM does the same (code 143).
+exits (code 130); a second press aborts at once. SIGTERM does the same (code 143). In a run
+with inference servers the save comes before any server stops (`lit_rl.stopping`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-#: the signal that stopped the last run gracefully (read by `lit_rl.cli.main` for the exit code)
-stopped_by: int | None = None
+from lit_rl import stopping
 
 
 def _replace(new: str, path: str) -> None:
@@ -105,12 +105,10 @@ class RunCheckpoint(ModelCheckpoint):
 
     # ---- graceful stops ----------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
-        global stopped_by
-        stopped_by = None
+        stopping.reset()
 
         def first_ctrl_c(signum, frame):
-            global stopped_by
-            stopped_by = signal.SIGINT
+            stopping.stopped_by = signal.SIGINT
             rank_zero_info("\nCtrl-C: finishing this step, saving a checkpoint, then stopping (Ctrl-C again aborts now)")
             trainer._signal_connector.received_sigterm = True  # Lightning stops at the end of the step
             signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -125,10 +123,18 @@ class RunCheckpoint(ModelCheckpoint):
             signal.signal(signal.SIGINT, self._previous_sigint)
             self._previous_sigint = None
 
+    def save_on_stop(self, trainer) -> None:
+        """The checkpoint of a graceful stop (idempotent); `lit_rl.stopping` calls it before any
+        server is stopped, `on_exception` otherwise."""
+        stopping.stopped_by = stopping.stopped_by or signal.SIGTERM
+        if stopping.saved_checkpoint is not None and stopping.stopped_at_step == trainer.global_step:
+            return
+        self._save_last_now(trainer)
+        stopping.saved_checkpoint = self._last_checkpoint_saved
+        stopping.stopped_at_step = trainer.global_step
+        rank_zero_info(f"stopping: checkpoint written: {self._last_checkpoint_saved} (step {trainer.global_step})")
+
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        global stopped_by
         self._restore_sigint()
         if isinstance(exception, SIGTERMException):
-            stopped_by = stopped_by or signal.SIGTERM
-            self._save_last_now(trainer)
-            rank_zero_info(f"stopped at step {trainer.global_step}; resumable checkpoint: {self._last_checkpoint_saved}")
+            self.save_on_stop(trainer)

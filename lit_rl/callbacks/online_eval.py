@@ -33,6 +33,7 @@ import lightning as L
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lit_rl import stopping
 from lit_rl.callbacks.export import HFExport
 from lit_rl.child_process import dies_with_parent
 from lit_rl.eval.plan import DoneLog, EvalPlan, clear_final_step, evals_dir, write_final_step
@@ -192,6 +193,7 @@ class OnlineEval(L.Callback):
         self.stop_evaluator()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        stopping.save_before_stopping(trainer, exception)  # a graceful stop saves before the evaluator goes
         self.stop_evaluator()
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
@@ -202,6 +204,7 @@ class OnlineEval(L.Callback):
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return
+        rank_zero_info(f"OnlineEval: stopping the evaluator (pid {proc.pid})")
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
             try:
                 os.killpg(proc.pid, sig)

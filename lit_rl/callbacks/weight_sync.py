@@ -14,7 +14,10 @@ stamped as version k. Per step:
 At the start of training (fresh or resumed) the current weights are exported the same way
 and the server is started on them, so a resumed run serves exactly the weights it trains.
 Every step is bounded: a reload that does not answer within `timeout` fails the run with the
-server's state, never a silent hang; on any failure the rollouts and the server stop.
+server's state, never a silent hang; on any failure the rollouts and the server stop. On a
+graceful stop (SIGTERM, Ctrl-C) the last step is not synced, an error of a server going down
+with the job is the stop, and the resumable checkpoint is written before the server stops
+(`lit_rl.stopping`).
 
 The transport is the filesystem, which works everywhere the trainer and the server share a
 disk (and is tested on CPU). vLLM's NCCL weight-transfer endpoints are the GPU fast path: a
@@ -30,7 +33,9 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_rl import stopping
 from lit_rl.callbacks.export import HFExport
+from lit_rl.inference.server import StartInterrupted
 
 
 class WeightSync(L.Callback):
@@ -60,7 +65,11 @@ class WeightSync(L.Callback):
         weights = self.exporter.sync_export(trainer, pl_module, step)
         if trainer.is_global_zero:
             started = time.perf_counter()
-            dm.start(weights, step)
+            try:
+                with stopping.stops_on_request(trainer, "starting the inference server"):
+                    dm.start(weights, step)
+            except StartInterrupted:
+                raise stopping.stop(trainer, "stopped while the inference server was starting") from None
             rank_zero_info(f"WeightSync: serving the weights of step {step} ({time.perf_counter() - started:.0f} s to start)")
         trainer.strategy.barrier("weight_sync_start")
 
@@ -73,20 +82,26 @@ class WeightSync(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if trainer.max_steps > 0 and step >= trainer.max_steps:  # the last step: no rollout will be drawn from these weights
+        last = trainer.max_steps > 0 and step >= trainer.max_steps
+        if last or stopping.requested(trainer):  # no rollout will be drawn from these weights
             self.last_sync_s = 0.0
             pl_module.log("train/weight_sync_s", 0.0, on_step=True, on_epoch=False, batch_size=1)
             return
         started = time.perf_counter()
-        self.send(trainer, pl_module, step)
+        with stopping.stops_on_request(trainer, f"the weight sync of step {step}"):
+            self.send(trainer, pl_module, step)
         trainer.strategy.barrier("weight_sync")
         self.last_sync_s = time.perf_counter() - started
         pl_module.log("train/weight_sync_s", self.last_sync_s, on_step=True, on_epoch=False, batch_size=1)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        stopping.save_before_stopping(trainer, exception)
+        self.shutdown(trainer)
+
+    def shutdown(self, trainer) -> None:
         dm = trainer.datamodule
         if dm is not None and callable(getattr(dm, "shutdown", None)):
             dm.shutdown()
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        self.on_exception(trainer, pl_module, None)
+        self.shutdown(trainer)

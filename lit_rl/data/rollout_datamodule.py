@@ -37,6 +37,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_rl import stopping
 from lit_rl.data.datamodules import PACKING_MODES, resolve_tokenizer_name
 from lit_rl.data.mixing import build_mixed_step
 from lit_rl.data.replay import ReplayMix, ReplaySource
@@ -47,7 +48,7 @@ from lit_rl.rollouts.buffer import RolloutBuffer, sample_from_dict, sample_to_di
 from lit_rl.rollouts.context import TrainSampling
 from lit_rl.rollouts.envs import Environment
 from lit_rl.rollouts.filters import GibberishFilter, RepetitionFilter
-from lit_rl.rollouts.threaded import ThreadedRolloutBuffer
+from lit_rl.rollouts.threaded import Interrupted, ThreadedRolloutBuffer
 from lit_rl.run_dir import lease
 
 log = logging.getLogger(__name__)
@@ -276,12 +277,12 @@ class RolloutDataModule(L.LightningDataModule):
             return
         options = {}
         if self.base_url is None:
-            options = {"log_path": root / "vllm.log", **self.server_options}
+            options = {"log_path": root / "vllm.log", "stop_on_sigterm": False, **self.server_options}
             self._server_lease = lease(weights, "server")  # retention keeps the directory it was started on
             self._server_lease.__enter__()
             rank_zero_info(f"RolloutDataModule: starting vLLM on {weights} (log: {options['log_path']})")
         self.endpoint = open_endpoint(base_url=self.base_url, model=weights, api_key=self.api_key, allowed_root=root,
-                                      **options)
+                                      interrupt=self._stop_requested, **options)
         endpoint = self.endpoint
         self._start_rollouts(lambda: endpoint.client(tokenizer=tokenizer), tokenizer, teacher, root)
         if self.base_url is not None:  # an existing server: make it serve exactly the weights being trained
@@ -331,11 +332,12 @@ class RolloutDataModule(L.LightningDataModule):
         options = {}
         if self.teacher_base_url is None:
             root = Path(self.trainer.default_root_dir).resolve()
-            options = {"log_path": root / "vllm_teacher.log", "dev_mode": False, **self.teacher_server}
+            options = {"log_path": root / "vllm_teacher.log", "dev_mode": False, "stop_on_sigterm": False,
+                       **self.teacher_server}
             rank_zero_info(f"RolloutDataModule: starting the teacher's vLLM on {self.teacher_model} "
                            f"(log: {options['log_path']})")
         self.teacher_endpoint = open_endpoint(base_url=self.teacher_base_url, model=self.teacher_model,
-                                              api_key=self.teacher_api_key, **options)
+                                              api_key=self.teacher_api_key, interrupt=self._stop_requested, **options)
         endpoint = self.teacher_endpoint
         if not self.teacher_model:  # only the server knows what it serves
 
@@ -354,10 +356,21 @@ class RolloutDataModule(L.LightningDataModule):
         self.rollouts.run(lambda client: client.reload_weights(weights), timeout=timeout)
         self.rollouts.set_version(version)
 
+    def _stop_requested(self) -> bool:
+        return stopping.requested(self.trainer)
+
     def shutdown(self) -> None:
-        """Stop the rollouts and the managed server (idempotent; also on errors and signals)."""
-        rollouts, self.rollouts = self.rollouts, None
+        """Stop the rollouts (requests in flight aborted; their state kept for `state_dict`) and
+        the managed servers (idempotent; also on errors and signals)."""
+        if self.rollouts is not None or self.endpoint is not None or self.teacher_endpoint is not None:
+            rank_zero_info("RolloutDataModule: stopping the rollouts and the inference servers")
+        rollouts = self.rollouts
         if rollouts is not None:
+            try:
+                self._saved_state = rollouts.state_dict()  # in-flight tasks become pending: none is lost
+            except Exception as e:  # the loop may be gone already; the last checkpoint has what it had
+                log.warning("RolloutDataModule: could not read the rollout state before stopping: %r", e)
+            self.rollouts = None
             rollouts.close()
         for name in ("endpoint", "teacher_endpoint"):
             endpoint = getattr(self, name)
@@ -370,6 +383,9 @@ class RolloutDataModule(L.LightningDataModule):
 
     def teardown(self, stage: str | None = None) -> None:
         self.shutdown()
+
+    def on_exception(self, exception: BaseException) -> None:
+        self.shutdown()  # after every callback's on_exception: a graceful stop has saved by now
 
     # ---- batches: step numbers from the loader, rollouts inside the step ---------------------------
     def train_dataloader(self):
@@ -386,24 +402,18 @@ class RolloutDataModule(L.LightningDataModule):
         wait_start = time.perf_counter()
         payload = None
         if trainer.is_global_zero:
-            if self.rollouts is None and self.source == "teacher":  # no WeightSync to start it: the first step does
-                self.start(None, trainer.global_step)
-            if self.rollouts is None:
-                raise RuntimeError("RolloutDataModule: rollouts were not started (is the WeightSync callback there?)")
-            batch = self.rollouts.next_batch(timeout=self.batch_timeout)
+            batch = self._wait_for_batch()
             if batch is None:
-                raise RuntimeError("RolloutDataModule: the rollouts ended before training did")
-            replay = self.mix.take()
-            payload = {"samples": list(batch), "staleness": list(batch.staleness), "replay": replay,
-                       "metrics": self.rollouts.metrics(), "progress": self.rollouts.progress()}
-            trace_batch(self._root(), trainer.global_step, batch, replay)
+                payload = {"stop": True}
+            else:
+                replay = self.mix.take()
+                payload = {"samples": list(batch), "staleness": list(batch.staleness), "replay": replay,
+                           "metrics": self.rollouts.metrics(), "progress": self.rollouts.progress()}
+                trace_batch(self._root(), trainer.global_step, batch, replay)
         if trainer.world_size > 1:  # plain data across ranks, samples as dicts
-            if payload is not None:
-                payload["samples"] = [sample_to_dict(s) for s in payload["samples"]]
-                payload["replay"] = {k: [sample_to_dict(s) for s in v] for k, v in payload["replay"].items()}
-            payload = trainer.strategy.broadcast(payload, src=0)
-            payload["samples"] = [sample_from_dict(d) for d in payload["samples"]]
-            payload["replay"] = {k: [sample_from_dict(d) for d in v] for k, v in payload["replay"].items()}
+            payload = _from_wire(trainer.strategy.broadcast(_to_wire(payload) if payload is not None else None, src=0))
+        if payload.get("stop"):  # every rank abandons the step before training any of it
+            raise stopping.stop(trainer, f"step {trainer.global_step} abandoned while waiting for its batch")
         samples = payload["samples"]
         mine = _share(samples, trainer.global_rank, trainer.world_size)
         if trainer.world_size > 1:
@@ -424,6 +434,23 @@ class RolloutDataModule(L.LightningDataModule):
         return step
 
 
+    def _wait_for_batch(self):
+        """Rank 0: the step's batch, or None when a stop was asked for while waiting (the batch
+        then stays in the buffer, and errors of servers that go down with the job are that stop)."""
+        trainer = self.trainer
+        with stopping.stops_on_request(trainer, "waiting for the batch"):
+            if self.rollouts is None and self.source == "teacher":  # no WeightSync to start it: the first step does
+                self.start(None, trainer.global_step)
+            if self.rollouts is None:
+                raise RuntimeError("RolloutDataModule: rollouts were not started (is the WeightSync callback there?)")
+            try:
+                batch = self.rollouts.next_batch(timeout=self.batch_timeout, interrupt=self._stop_requested)
+            except Interrupted:
+                return None
+        if batch is None:
+            raise RuntimeError("RolloutDataModule: the rollouts ended before training did")
+        return batch
+
     def _root(self) -> Path:
         return Path(self.trainer.default_root_dir)
 
@@ -441,6 +468,21 @@ class RolloutDataModule(L.LightningDataModule):
     def load_state_dict(self, state: dict) -> None:
         self._saved_state = state.get("buffer")
         self.mix.load_state_dict(state.get("replay"))
+
+
+def _to_wire(payload: dict) -> dict:
+    """A step's payload as plain data for a broadcast (samples as dicts)."""
+    if payload.get("stop"):
+        return payload
+    return {**payload, "samples": [sample_to_dict(s) for s in payload["samples"]],
+            "replay": {k: [sample_to_dict(s) for s in v] for k, v in payload["replay"].items()}}
+
+
+def _from_wire(payload: dict) -> dict:
+    if payload.get("stop"):
+        return payload
+    return {**payload, "samples": [sample_from_dict(d) for d in payload["samples"]],
+            "replay": {k: [sample_from_dict(d) for d in v] for k, v in payload["replay"].items()}}
 
 
 def _share(samples: list, rank: int, world: int) -> list:

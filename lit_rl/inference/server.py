@@ -15,8 +15,9 @@ binding another address is warned about loudly, with or without a key.
 No orphans: the server runs in a new session (its own process group, so a terminal's Ctrl-C
 does not reach it and `stop()` can kill vLLM's engine and worker processes with it). It is
 stopped (SIGTERM to the group, SIGKILL after a grace period) on `stop()`, on leaving the `with`
-block for any reason, at interpreter exit, on SIGTERM to this process, and when this process
-dies without running any of that (SIGKILL): Linux's PR_SET_PDEATHSIG, set by a short
+block for any reason, at interpreter exit, on SIGTERM to this process (unless `stop_on_sigterm`
+is off: a training run stops its servers itself, after its checkpoint is written), and when this
+process dies without running any of that (SIGKILL): Linux's PR_SET_PDEATHSIG, set by a short
 launcher before it execs vLLM (`lit_rl.child_process`). The death signal follows the
 *thread* that started the server: start it from the main thread or a thread that lives as
 long as the server.
@@ -38,7 +39,7 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,10 @@ log = logging.getLogger(__name__)
 
 class ServerStartError(RuntimeError):
     """The vLLM server exited or did not become healthy during start-up; the message quotes its log."""
+
+
+class StartInterrupted(RuntimeError):
+    """`start(interrupt=...)` gave up waiting because `interrupt()` became true (a stop was asked for)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -106,10 +111,12 @@ _live: weakref.WeakSet[VLLMServer] = weakref.WeakSet()
 _hooks_installed = False
 
 
-def stop_all() -> None:
-    """Stop every server this process started and has not stopped yet."""
+def stop_all(only_on_sigterm: bool = False) -> None:
+    """Stop every server this process started and has not stopped yet (with `only_on_sigterm`:
+    only those whose `stop_on_sigterm` is on)."""
     for server in list(_live):
-        server.stop()
+        if not only_on_sigterm or server.stop_on_sigterm:
+            server.stop()
 
 
 def _install_hooks() -> None:
@@ -124,7 +131,7 @@ def _install_hooks() -> None:
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_sigterm(signum, frame):
-        stop_all()
+        stop_all(only_on_sigterm=True)
         if callable(previous):
             previous(signum, frame)
         elif previous != signal.SIG_IGN:
@@ -185,6 +192,7 @@ class VLLMServer:
         stop_timeout: float = 20.0,
         allowed_root: str | Path | None = None,
         spin_wait_s: float | None = None,
+        stop_on_sigterm: bool = True,
     ):
         """
         Args:
@@ -214,6 +222,10 @@ class VLLMServer:
                 `lit_rl.inference.vllm_main`). None: `$LIT_RL_VLLM_SPIN_S` if set, else 0.01 s
                 on a CPU build, where the spin takes a core from the trainer, and vLLM's own on
                 GPU machines.
+            stop_on_sigterm: stop the server as soon as this process gets SIGTERM (scripts,
+                `lit-rl serve`). Off for a training run's servers: the run finishes or abandons
+                its step, writes its checkpoint and only then stops them (`lit_rl.stopping`);
+                at interpreter exit and on SIGKILL of this process they are stopped regardless.
         """
         problems = []
         if tensor_parallel_size < 1 or data_parallel_size < 1:
@@ -243,6 +255,7 @@ class VLLMServer:
         self.startup_timeout, self.stop_timeout = startup_timeout, stop_timeout
         self.allowed_root = allowed_root
         self.spin_wait_s = spin_wait_s
+        self.stop_on_sigterm = stop_on_sigterm
         self.proc: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
 
@@ -293,7 +306,9 @@ class VLLMServer:
         return self.root_url + "/v1"
 
     # ---- lifecycle --------------------------------------------------------------------------------
-    def start(self) -> VLLMServer:
+    def start(self, interrupt: Callable[[], bool] | None = None) -> VLLMServer:
+        """Start the server and wait until it is healthy. `interrupt`: polled while waiting; when
+        it returns True the server is stopped and `StartInterrupted` raised."""
         if self.proc is not None:
             raise RuntimeError("VLLMServer.start: already started")
         if not is_loopback(self.host):
@@ -323,7 +338,7 @@ class VLLMServer:
         _live.add(self)
         log.info("VLLMServer: started pid %d for %s on %s (log: %s)", self.proc.pid, self.model, self.root_url, self.log_path)
         try:
-            self.wait_healthy()
+            self.wait_healthy(interrupt)
         except BaseException:
             self.stop()
             raise
@@ -331,9 +346,11 @@ class VLLMServer:
         log.info("VLLMServer: healthy after %.1f s", self.startup_seconds)
         return self
 
-    def wait_healthy(self) -> None:
+    def wait_healthy(self, interrupt: Callable[[], bool] | None = None) -> None:
         deadline = time.monotonic() + self.startup_timeout
         while True:
+            if interrupt is not None and interrupt():
+                raise StartInterrupted(f"VLLMServer: start-up of {self.model} interrupted (a stop was asked for)")
             code = self.proc.poll()
             if code is not None:
                 raise ServerStartError(
@@ -465,15 +482,17 @@ def open_endpoint(
     model: str | Path | None = None,
     api_key: str | None = None,
     allowed_root: str | Path | None = None,
+    interrupt: Callable[[], bool] | None = None,
     **server_kwargs,
 ) -> Endpoint:
     """The rule for every config that takes a server: with `base_url`, use that server and start
-    nothing; otherwise start `VLLMServer(model, **server_kwargs)` and wait until it is healthy."""
+    nothing; otherwise start `VLLMServer(model, **server_kwargs)` and wait until it is healthy
+    (`interrupt` as in `VLLMServer.start`)."""
     if base_url:
         if server_kwargs:
             raise ValueError(f"base_url={base_url!r} is an existing server; these server options have no effect: {sorted(server_kwargs)}")
         return Endpoint(base_url=base_url, api_key=api_key, allowed_root=allowed_root)
     if model is None:
         raise ValueError("give either base_url (an existing server) or model (lit-rl starts a vLLM server for it)")
-    server = VLLMServer(model, api_key=api_key, allowed_root=allowed_root, **server_kwargs).start()
+    server = VLLMServer(model, api_key=api_key, allowed_root=allowed_root, **server_kwargs).start(interrupt)
     return Endpoint(base_url=server.base_url, api_key=api_key, allowed_root=allowed_root, server=server)

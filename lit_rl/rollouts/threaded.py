@@ -28,6 +28,7 @@ import atexit
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -37,6 +38,14 @@ from lit_rl.rollouts.scheduler import Batch
 log = logging.getLogger(__name__)
 
 _GRACE = 30.0  # extra seconds the calling thread waits beyond a loop-side timeout
+
+
+class Interrupted(Exception):
+    """A blocking call gave up because its `interrupt()` became true; nothing was lost."""
+
+
+class _WaitExpired(Exception):
+    """One slice of an interruptible wait ended without a batch."""
 
 
 def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
@@ -107,9 +116,26 @@ class ThreadedRolloutBuffer:
         """Start rollouts now (otherwise the first `next_batch` does); after `load_state_dict`."""
         self._submit(self.buffer.start())
 
-    def next_batch(self, timeout: float | None = None) -> Batch | None:
+    def next_batch(self, timeout: float | None = None, interrupt: Callable[[], bool] | None = None,
+                   poll: float = 0.2) -> Batch | None:
         """The next batch (None once a finite run is over). Raises the buffer's error if
-        rollouts failed, and TimeoutError (with the buffer's progress line) after `timeout` s."""
+        rollouts failed, and TimeoutError (with the buffer's progress line) after `timeout` s.
+        `interrupt` is polled every `poll` s while waiting; once it returns True the wait ends
+        with `Interrupted` and the batch stays in the buffer (popping is atomic)."""
+        if interrupt is None:
+            return self._next_batch(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if interrupt():
+                raise Interrupted("ThreadedRolloutBuffer.next_batch: interrupted while waiting for a batch")
+            left = None if deadline is None else deadline - time.monotonic()
+            try:
+                return self._next_batch(poll if left is None else max(0.0, min(poll, left)), quiet=True)
+            except _WaitExpired:
+                if left is not None and left <= poll:
+                    raise TimeoutError(f"no rollout batch within {timeout} s; {self.buffer.progress()}") from None
+
+    def _next_batch(self, timeout: float | None, quiet: bool = False) -> Batch | None:
 
         async def wait() -> Batch | None:
             task = asyncio.ensure_future(self.buffer.next_batch())
@@ -122,6 +148,8 @@ class ThreadedRolloutBuffer:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
                 if task.cancelled():
+                    if quiet:
+                        raise _WaitExpired()
                     raise TimeoutError(f"no rollout batch within {timeout} s; {self.buffer.progress()}")
             return task.result()
 
