@@ -113,7 +113,7 @@ def train_method(args, method: str, root: str) -> float:
         seconds = int(round((args.minutes - minutes) * 60))
         cmd += ["--trainer.max_time", f"00:00:{minutes:02d}:{seconds:02d}", "--trainer.max_steps", "100000"]
     if method not in NO_TEACHER:
-        cmd += ["--data.init_args.teacher_model", args.teacher]
+        cmd += ["--inference.teacher_model", args.teacher]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     started = time.perf_counter()
     with open(root + ".log", "w") as log:

@@ -14,7 +14,7 @@ Contenders (each run a fresh process; contenders alternate, the order reversed e
   lit-rl s=0, s=1   `lit-rl fit --config examples/reverse_text/grpo.yaml` with overrides (model,
                     data, sizes, `--data.init_args.max_staleness 0` or `1`, no checkpoints, no
                     progress bar). lit-rl starts its own vLLM CPU server (tens of seconds; not timed),
-                    rollouts come from it, and after every step WeightSync exports the weights and
+                    rollouts come from it, and after every step its InferenceRuntime exports the weights and
                     reloads the server. Per-step times come from the run's metrics CSV
                     (<root>/logs/version_0/metrics.csv): `train/tokens / train/tokens_per_s` is the
                     time from the end of the previous optimizer step to the end of this one (the
@@ -354,13 +354,13 @@ def lit_result(args, root: str) -> dict:
 
 
 def _server_start_s(root: str) -> float | None:
-    """The 'WeightSync: serving ... (N s to start)' line of the run's log, if found."""
+    """The 'InferenceRuntime: serving ... (N s to start)' line of the run's log, if found."""
     import re
 
     log = root + ".log"
     if os.path.exists(log):
         with open(log, errors="replace") as f:
-            m = re.search(r"WeightSync: serving the weights of step \d+ \((\d+) s to start\)", f.read())
+            m = re.search(r"InferenceRuntime: serving the weights of step \d+ \((\d+) s to start\)", f.read())
         if m:
             return float(m.group(1))
     return None

@@ -38,7 +38,7 @@ def one_run(workdir: Path, data: str, after_steps: int, max_tokens: int, whole_j
     cmd = [sys.executable, "-m", "lit_rl.cli", "fit", "--config", str(REPO / "examples/reverse_text/grpo.yaml"),
            "--model.init_args.model", "lit-rl:tiny_qwen3", "--model.init_args.random_init", "true",
            "--data.init_args.env.init_args.path", data, "--data.init_args.max_tokens", str(max_tokens),
-           "--data.init_args.server.max_model_len", str(max_tokens + 128),
+           "--inference.server.max_model_len", str(max_tokens + 128),
            "--trainer.max_steps", "1000", "--trainer.default_root_dir", str(root)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})

@@ -1,6 +1,6 @@
 """Starting a child process that dies with its parent, optionally kept to some CPU cores.
 
-Used for the vLLM server and the evaluator. The child is started through a short Python
+Used for the vLLM server and the evaluator, which are stopped the same way (`stop_process_group`). The child is started through a short Python
 launcher that, inside the child and before it execs the real command, asks Linux to
 SIGTERM it when the parent dies (PR_SET_PDEATHSIG, which survives exec; it follows the
 parent *thread*, so start children from a thread that lives as long as they do), gives up
@@ -12,7 +12,10 @@ programs such as a trainer.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import Sequence
 
 _LAUNCHER = (
@@ -27,3 +30,40 @@ _LAUNCHER = (
 def dies_with_parent(command: Sequence[str], cpus: Sequence[int] | None = None) -> list[str]:
     """The argv that runs `command` (an absolute executable first) through the launcher."""
     return [sys.executable, "-c", _LAUNCHER, str(os.getpid()), ",".join(map(str, cpus or ())), *command]
+
+
+def stop_process_group(proc: subprocess.Popen, grace: float) -> bool:
+    """SIGTERM the process group `proc` leads (started with ``start_new_session=True``), SIGKILL
+    whatever is left after `grace` seconds, and reap `proc`. True if it stopped within the grace."""
+    pgid = proc.pid
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    graceful = False
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the leader, so the group empties
+        if not group_alive(pgid):
+            graceful = True
+            break
+        time.sleep(0.1)
+    _signal_group(pgid, signal.SIGKILL)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    return graceful
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the group `pgid` is left."""
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False

@@ -27,6 +27,7 @@ from lit_rl import stopping
 from lit_rl.callbacks.checkpoint import RunCheckpoint
 from lit_rl.callbacks.progress import StepProgressBar
 from lit_rl.errors import DEBUG_ENV, UserError, debug, user_message
+from lit_rl.inference.runtime import InferenceRuntime
 from lit_rl.modules.base import CausalLMModule
 
 
@@ -37,7 +38,7 @@ class Command(NamedTuple):
 
 
 COMMANDS = {
-    "fit": Command("train a model from a config (SFT now; GRPO and distillation soon)",
+    "fit": Command("train a model from a config (SFT, GRPO, on-policy distillation)",
                    "lit-rl fit --config examples/reverse_text/sft.yaml --trainer.max_steps 100", None),
     "validate": Command("the validation loss on data.val_path or data.val_split",
                         "lit-rl validate --config examples/reverse_text/sft.yaml", None),
@@ -88,6 +89,9 @@ class LitRLCLI(LightningCLI):
       unless the config brings its own ModelCheckpoint or disables checkpointing.
     - The progress bar counts optimizer steps of the whole run (StepProgressBar) unless the
       config brings its own or disables it.
+    - Every run has one InferenceRuntime, the owner of its inference servers, configured under
+      the config's `inference:` section (`--inference.teacher_model ...`); runs that serve no
+      model (plain SFT) leave it idle.
     - A config value that a class rejects (a ValueError from its `__init__`, a Lightning
       MisconfigurationException) is a UserError: one message, no traceback.
     """
@@ -101,6 +105,9 @@ class LitRLCLI(LightningCLI):
         defaults = {"use_distributed_sampler": False}
         defaults.update(kwargs.pop("trainer_defaults", None) or {})
         super().__init__(CausalLMModule, LightningDataModule, *args, trainer_defaults=defaults, **kwargs)
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_lightning_class_args(InferenceRuntime, "inference")
 
     @staticmethod
     def subcommands():
@@ -160,6 +167,20 @@ def auto_devices_without_gpu(trainer) -> None:
         trainer["devices"] = CPU_PROCESSES
 
 
+def quiet_dependency_chatter() -> None:
+    """Drop output that says nothing about the run: Lightning's advertising tips ("💡 Tip: ...
+    try installing litlogger") and transformers' progress bars, which every weight sync of an RL
+    run would print twice ("Writing model shards", "Loading weights"); lit-rl prints its own line
+    per checkpoint."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):  # both log info
+        logging.getLogger(name).addFilter(lambda record: not str(record.msg).startswith("💡 Tip"))
+
+
 def run_command(args: list[str], argv: list[str] | None) -> None:
     """Dispatch to a lit-rl command or to LightningCLI (which reads sys.argv itself when `argv` is None)."""
     if not args or args[0] in ("-h", "--help", "help"):
@@ -175,6 +196,7 @@ def run_command(args: list[str], argv: list[str] | None) -> None:
         close = difflib.get_close_matches(name, COMMANDS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise UserError(f"unknown command {name!r}{hint}; the commands are {', '.join(COMMANDS)} (lit-rl --help)")
+    quiet_dependency_chatter()
     try:
         LitRLCLI(args=argv)
     except SIGTERMException:

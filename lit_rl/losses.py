@@ -1,6 +1,14 @@
 """Pure loss functions. Every tensor line carries its shape.
 
 B: rows in the micro-batch, T: tokens per row, V: vocabulary size.
+
+Two forms of each RL loss, on purpose: `policy_loss` and `opd_loss` are the reference
+definitions, a whole batch as [B, T] in one call, written to be read and checked by hand; the
+modules train with `policy_loss_sums` and `opd_loss_sums`, the numerator of the same loss for any
+micro-batch layout (packed rows, several sequences per row), which the training step divides by
+the whole step's normaliser (lit_rl/modules/step.py). Tests hold the `*_sums` forms, and a real
+optimizer step of the modules, to the reference on the same samples (tests/test_policy_loss.py,
+tests/test_opd_loss.py, tests/test_grpo_step.py, tests/test_mixed_step.py).
 """
 
 from __future__ import annotations
@@ -187,7 +195,8 @@ def policy_loss(
     is_cap: float = 2.0,
     max_completion_length: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped policy-gradient loss with a behaviour-policy correction, one row per sample.
+    """Clipped policy-gradient loss with a behaviour-policy correction, one row per sample: the
+    reference definition (training uses `policy_loss_sums`, held to this by the tests).
 
     logprobs, old_logprobs, inference_logprobs, loss_mask: [B, T]; advantages: [B].
     Per token: r = exp(logprobs - old_logprobs), o = min(r A, clip(r, 1 - clip_low, 1 + clip_high) A),
@@ -271,7 +280,8 @@ def opd_loss(
     is_correction: str = "token_truncate",
     is_cap: float = 2.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """On-policy distillation: a per-token reverse KL to a teacher, as a policy gradient.
+    """On-policy distillation: a per-token reverse KL to a teacher, as a policy gradient: the
+    reference definition (training uses `opd_loss_sums`, held to this by the tests).
 
     All tensors [B, T]. Per masked token: a = teacher_logprobs - inference_logprobs (detached;
     the sampled token's negative reverse KL estimate log q(x) - log p(x), no discount over later

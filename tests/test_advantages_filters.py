@@ -15,7 +15,7 @@ def sample(completion: list[int], reward: float = 0.0, logprobs: list[float] | N
     n = len(prompt)
     return Sample(
         input_ids=[*prompt, *completion], loss_mask=[False] * n + [True] * len(completion),
-        logprobs=None if logprobs is None else [0.0] * n + list(logprobs), reward=reward, source="rollout",
+        logprobs=None if logprobs is None else [0.0] * n + list(logprobs), reward=reward, source="policy",
     )
 
 

@@ -177,9 +177,9 @@ def test_opd_under_fsdp2_with_a_real_server(vllm_server, tmp_path):
 
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(40))
     root = tmp_path / "run"
-    args = opd_args(root, data, str(vllm_server.model_dir), 2, "--data.init_args.base_url", vllm_server.base_url,
-                    "--data.init_args.server", "{}", "--data.init_args.teacher_model", "null",
-                    "--data.init_args.teacher_server", "{}", "--data.init_args.teacher_base_url", vllm_server.base_url,
+    args = opd_args(root, data, str(vllm_server.model_dir), 2, "--inference.base_url", vllm_server.base_url,
+                    "--inference.server", "{}", "--inference.teacher_model", "null",
+                    "--inference.teacher_server", "{}", "--inference.teacher_base_url", vllm_server.base_url,
                     "--data.init_args.max_staleness", "0")
     args[args.index(OPD) + 1:args.index(OPD) + 1] = ["--config", FSDP2]
     ok(args)

@@ -33,7 +33,7 @@ def rollout_samples(model, n=10, seed=0):
         sampler = lp + 0.3 * torch.randn(lp.shape, generator=g)  # the sampler disagrees a little
         mask = [t >= prompt for t in range(len(ids))]
         sample = Sample(input_ids=ids.tolist(), loss_mask=mask, logprobs=[v if m else 0.0 for v, m in zip(sampler.tolist(), mask)],
-                        reward=float(i % 3), source="rollout")
+                        reward=float(i % 3), source="policy")
         samples.append(sample.with_advantage(float(torch.randn((), generator=g))))
     return samples
 

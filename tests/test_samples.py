@@ -36,7 +36,7 @@ def test_rollout_sample_and_with_advantage():
         logprobs=[0.0, 0.0, -0.5, -1.5],
         policy_version=2,
         reward=1.0,
-        source="rollout",
+        source="policy",
         finish_reason="length",
         metadata={"task": "t1"},
     )
@@ -44,5 +44,5 @@ def test_rollout_sample_and_with_advantage():
     g = s.with_advantage(0.75)
     assert g.advantages == [0.0, 0.0, 0.75, 0.75]
     assert s.advantages is None  # a copy: the original is unchanged
-    assert (g.logprobs, g.policy_version, g.reward, g.source, g.finish_reason) == (s.logprobs, 2, 1.0, "rollout", "length")
+    assert (g.logprobs, g.policy_version, g.reward, g.source, g.finish_reason) == (s.logprobs, 2, 1.0, "policy", "length")
     assert g.metadata == s.metadata and g.metadata is not s.metadata

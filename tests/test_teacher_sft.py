@@ -2,7 +2,7 @@
 carry the teacher's exact ids and no policy logprobs, the start-up checks report every problem
 at once, and a real CLI run trains on them.
 
-The session's vLLM server plays the teacher (nothing reloads it: there is no WeightSync).
+The session's vLLM server plays the teacher (nothing reloads it: no policy is served, so nothing is synced).
 """
 
 from __future__ import annotations
@@ -96,16 +96,16 @@ def sft_args(root, data, *extra):
 
 
 def test_every_source_problem_is_reported_at_once_before_any_server(data, tmp_path):
-    # GRPO (a policy-gradient loss) from a teacher source with no teacher, and WeightSync still there
+    # GRPO (a policy-gradient loss) from a teacher source with no teacher, and the policy's server options still set
     out = run(["fit", "--config", GRPO_CONFIG, "--model.init_args.model", TINY_MODEL, "--model.init_args.random_init",
                "true", "--data.init_args.env.init_args.path", data, "--data.init_args.source", "teacher",
-               "--data.init_args.server", "{}", "--trainer.default_root_dir", str(tmp_path / "a"), "--trainer.max_steps", "2"])
+               "--trainer.default_root_dir", str(tmp_path / "a"), "--trainer.max_steps", "2"])
     assert out.returncode == 1, out.stderr[-3000:]
-    for words in ("needs a model to sample from: data.teacher_base_url", "remove the WeightSync",
+    for words in ("needs a model to sample from: set inference.teacher_model", "inference.server are the policy's server",
                   "can only feed a cross-entropy loss", "3 problem(s)"):
         assert words in out.stderr, (words, out.stderr[-3000:])
     # SFT on the policy's own samples
-    out = run(sft_args(tmp_path / "b", data, "--data.init_args.source", "policy", "--data.init_args.teacher_model", "null",
-                       "--data.init_args.teacher_server", "{}", "--trainer.max_steps", "2"))
+    out = run(sft_args(tmp_path / "b", data, "--data.init_args.source", "policy", "--inference.teacher_model", "null",
+                       "--inference.teacher_server", "{}", "--trainer.max_steps", "2"))
     assert out.returncode == 1 and "SFT may not train on the policy's own samples" in out.stderr, out.stderr[-3000:]
     assert not list(tmp_path.glob("*/vllm*.log"))  # refused before any server started

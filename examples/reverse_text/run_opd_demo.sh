@@ -30,7 +30,7 @@ echo "== held-out reward of the student before OPD ($STUDENT)"
 $PY examples/reverse_text/exact_match.py --model "$STUDENT" --samples 4
 echo "== OPD: lit-rl fit --config examples/reverse_text/opd.yaml"
 .venv/bin/lit-rl fit --config examples/reverse_text/opd.yaml --model.init_args.model "$STUDENT" \
-  --data.init_args.teacher_model "$TEACHER" --trainer.default_root_dir "$ROOT" "$@"
+  --inference.teacher_model "$TEACHER" --trainer.default_root_dir "$ROOT" "$@"
 LAST="$ROOT/weights/step_$(ls "$ROOT/weights" | sed -n 's/^step_\([0-9]*\)$/\1/p' | sort -n | tail -1)"
 echo "== held-out reward of the student after OPD ($LAST)"
 $PY examples/reverse_text/exact_match.py --model "$LAST" --samples 4

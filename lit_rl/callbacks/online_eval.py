@@ -1,12 +1,12 @@
 """OnlineEval: evals of real tasks while training runs, without slowing training down.
 
-On rank 0 it starts one evaluator process (`lit-rl evaluate --follow`) with its own
-inference server (or a given `base_url`). The trainer's only part is to make sure a
-`weights/step_N` exists at every step where some eval is due and at the last step: it
-registers with HFExport as a consumer (`export_due`, `needs`), and the evaluator picks
-the checkpoints up from the filesystem. At the end of fit the
-trainer waits (up to `final_timeout`) for the final eval; on a crash, Ctrl-C or SIGTERM
-it stops the evaluator and its server.
+On rank 0 the run's `InferenceRuntime` starts one evaluator process (`lit-rl evaluate
+--follow`) for it, with its own inference server (or a given `base_url`). The trainer's only
+part is to make sure a `weights/step_N` exists at every step where some eval is due and at the
+last step: it registers with HFExport as a consumer (`export_due`, `needs`), and the evaluator
+picks the checkpoints up from the filesystem. At the end of fit the trainer waits (up to
+`final_timeout`) for the final eval; on a crash, Ctrl-C or SIGTERM the runtime stops the
+evaluator and its server (after a graceful stop's checkpoint).
 
     trainer:
       callbacks:
@@ -24,8 +24,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,11 +31,10 @@ import lightning as L
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_rl import stopping
 from lit_rl.callbacks.export import HFExport
-from lit_rl.child_process import dies_with_parent
 from lit_rl.eval.plan import DoneLog, EvalPlan, clear_final_step, evals_dir, write_final_step
 from lit_rl.eval.wandb_shared import describe_run, make_trainer_primary
+from lit_rl.inference.runtime import InferenceRuntime
 from lit_rl.rollouts.envs import Environment
 from lit_rl.run_dir import step_of
 
@@ -100,8 +97,8 @@ class OnlineEval(L.Callback):
         self.base_url, self.api_key, self.server = base_url, api_key, dict(server or {})
         self.final_timeout = final_timeout
         self.cpus = check_cpus(cpus)
-        self.proc: subprocess.Popen | None = None
         self.export: HFExport | None = None
+        self.runtime: InferenceRuntime | None = None
 
     # ---- what is due ----------------------------------------------------------------------------------
     def due(self, step: int, final: int | None = None) -> bool:
@@ -121,6 +118,7 @@ class OnlineEval(L.Callback):
 
     # ---- start ----------------------------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:
+        self.runtime = InferenceRuntime.of(trainer)  # it runs the evaluator
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger) and trainer.is_global_zero:
                 make_trainer_primary(logger)  # before the run starts: the evaluator will write into it
@@ -170,48 +168,19 @@ class OnlineEval(L.Callback):
             env["LIT_RL_EVAL_API_KEY"] = self.api_key
             cmd += ["--api-key-env", "LIT_RL_EVAL_API_KEY"]
         log_path = evals_dir(root) / "evaluator.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as log_file:
-            self.proc = subprocess.Popen(dies_with_parent(cmd, self.cpus), stdout=log_file, stderr=subprocess.STDOUT,
-                                         env=env, start_new_session=True)
-        rank_zero_info(f"OnlineEval: evaluator started (pid {self.proc.pid}), log: {log_path}")
+        proc = self.runtime.start_evaluator(cmd, env=env, log_path=log_path, cpus=self.cpus)
+        rank_zero_info(f"OnlineEval: evaluator started (pid {proc.pid}), log: {log_path}")
 
     # ---- after training -----------------------------------------------------------------------------------
     def on_train_end(self, trainer, pl_module) -> None:
         step = trainer.global_step
         self.export.ensure(trainer, pl_module, step)  # the final step, whatever the callback order
-        if not trainer.is_global_zero or self.proc is None:
+        if not trainer.is_global_zero or self.runtime.evaluator is None:
             return
         write_final_step(trainer.default_root_dir, step)
         rank_zero_info(f"OnlineEval: waiting up to {self.final_timeout:.0f} s for the evaluator's final eval (step {step})")
-        try:
-            code = self.proc.wait(timeout=self.final_timeout)
-            if code != 0:
-                rank_zero_warn(f"OnlineEval: the evaluator exited with code {code}; see {evals_dir(trainer.default_root_dir)}/evaluator.log")
-        except subprocess.TimeoutExpired:
-            rank_zero_warn(f"OnlineEval: the final eval did not finish in {self.final_timeout:.0f} s; stopping the evaluator")
-        self.stop_evaluator()
-
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        stopping.save_before_stopping(trainer, exception)  # a graceful stop saves before the evaluator goes
-        self.stop_evaluator()
-
-    def teardown(self, trainer, pl_module, stage: str) -> None:
-        self.stop_evaluator()
-
-    def stop_evaluator(self, grace: float = 20.0) -> None:
-        """SIGTERM to the evaluator's process group (it stops its server), SIGKILL after `grace`."""
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        rank_zero_info(f"OnlineEval: stopping the evaluator (pid {proc.pid})")
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                proc.wait(timeout=wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        code = self.runtime.finish_evaluator(self.final_timeout)
+        if code is None:
+            rank_zero_warn(f"OnlineEval: the final eval did not finish in {self.final_timeout:.0f} s; stopped the evaluator")
+        elif code != 0:
+            rank_zero_warn(f"OnlineEval: the evaluator exited with code {code}; see {evals_dir(trainer.default_root_dir)}/evaluator.log")

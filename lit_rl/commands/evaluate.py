@@ -84,7 +84,7 @@ def with_gpu_split(server_kwargs: dict) -> dict:
 
 
 async def run(args: argparse.Namespace) -> None:
-    from lit_rl.inference.server import open_endpoint
+    from lit_rl.inference.endpoint import open_endpoint
 
     root = Path(args.run_dir) if args.run_dir else Path(args.weights_dir).resolve().parent
     plan = load_plan(args, root)

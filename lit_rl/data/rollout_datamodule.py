@@ -1,9 +1,13 @@
-"""RolloutDataModule: training batches from live rollouts against the policy's vLLM server.
+"""RolloutDataModule: training batches from live rollouts of the policy (or of a frozen teacher).
 
 Each batch is one optimizer step: `batch_size` samples (`batch_size / group_size` tasks of
 the environment, `group_size` completions each) from the `RolloutBuffer`, with group-relative
 advantages, packed by the same `build_step` as static data. The buffer runs on its own
 event loop thread (`ThreadedRolloutBuffer`); the trainer side only asks for the next batch.
+This module is only about data: where the samples come from, how they are shaped, and where
+the run is in them. The servers it samples from belong to the run's `InferenceRuntime`
+(`lit_rl.inference.runtime`), which starts and syncs them; this module asks it for clients
+and for the policy version they serve.
 
 Why batches are drawn inside the step: Lightning fetches one batch ahead of the step it
 trains. Drawn there, batch k would be requested while the weights of step k-1 are still
@@ -11,13 +15,9 @@ training, which with `max_staleness=0` either deadlocks (the scheduler may not s
 batch k's rollouts before version k) or trains rollouts one version too old. So the
 DataLoader yields only a step number, and `on_before_batch_transfer` (called right before
 each `training_step`, after the previous step's weight sync) swaps in the real batch:
-batch k is drawn only once version k is being served.
-
-The server starts lazily: `WeightSync` (the callback that exports the weights after each
-step and reloads the server) calls `start(weights_path, version)` at the start of training,
-which starts a managed vLLM server on those weights (or, with `base_url`, reloads an
-existing one) and then the rollouts. Under several ranks rank 0 runs the server and the
-buffer; every rank gets an equal share of each batch (a broadcast inside the step).
+batch k is drawn only once version k is being served. The rollouts start with the first
+draw. Under several ranks rank 0 runs the buffer; every rank gets an equal share of each
+batch (a broadcast inside the step).
 
 Static rows can ride along (`replay`: a list of `ReplaySource`): each batch then takes a
 fixed share of samples from each source by sampling weight, each source's samples feed
@@ -27,7 +27,6 @@ their own loss (replay rows: cross-entropy) normalised by that source's own toke
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from pathlib import Path
@@ -40,21 +39,22 @@ from lightning.pytorch.utilities import rank_zero_info
 from lit_rl import stopping
 from lit_rl.data.datamodules import PACKING_MODES, resolve_tokenizer_name
 from lit_rl.data.mixing import build_mixed_step
+from lit_rl.data.rank_share import from_wire, rank_share, to_wire
 from lit_rl.data.replay import ReplayMix, ReplaySource
 from lit_rl.data.rollout_traces import rollout_stats, trace_batch, trace_share
+from lit_rl.data.samples import SAMPLERS
 from lit_rl.data.step_builder import build_step
+from lit_rl.inference.runtime import InferenceRuntime
 from lit_rl.model_names import load_tokenizer
-from lit_rl.rollouts.buffer import RolloutBuffer, sample_from_dict, sample_to_dict
+from lit_rl.rollouts.buffer import RolloutBuffer
 from lit_rl.rollouts.context import TrainSampling
 from lit_rl.rollouts.envs import Environment
 from lit_rl.rollouts.filters import GibberishFilter, RepetitionFilter
 from lit_rl.rollouts.threaded import Interrupted, ThreadedRolloutBuffer
-from lit_rl.run_dir import lease
 
 log = logging.getLogger(__name__)
 
 FILTERS = ("gibberish", "repetition")
-SOURCES = ("policy", "teacher")
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -80,17 +80,10 @@ class RolloutDataModule(L.LightningDataModule):
         micro_batch_tokens: int = 8192,
         packing: str = "padded",
         pack_length: int | None = None,
-        base_url: str | None = None,
-        api_key: str | None = None,
-        server: dict | None = None,
         batch_timeout: float = 900.0,
         progress_every: int = 10,
         tokenizer: str | None = None,
         chat_template_kwargs: dict | None = None,
-        teacher_model: str | None = None,
-        teacher_base_url: str | None = None,
-        teacher_api_key: str | None = None,
-        teacher_server: dict | None = None,
         source: str = "policy",
         weight: float = 1.0,
         replay: list[ReplaySource] | None = None,
@@ -119,27 +112,16 @@ class RolloutDataModule(L.LightningDataModule):
             seed: seed of the task order.
             micro_batch_tokens, packing, pack_length: the layout of a step, as in
                 `StaticDataModule`.
-            base_url: an existing OpenAI-compatible vLLM server of the policy (started with
-                ``VLLM_SERVER_DEV_MODE=1``, able to read this run directory); None: lit-rl
-                starts one on the trainer's weights.
-            api_key: that server's API key.
-            server: options of the managed server (`lit_rl.inference.server.VLLMServer`),
-                e.g. ``{dtype: float32, max_model_len: 1024, enforce_eager: true}``.
             batch_timeout: seconds a step may wait for its batch before failing with the
                 rollouts' state.
             progress_every: print a rollout progress line every N steps (0: never).
             tokenizer: tokenizer name or path; defaults to the model's.
             chat_template_kwargs: extra variables for the chat template.
-            teacher_model: a frozen teacher (name or path) that scores every sampled token (on-policy
-                distillation, `lit_rl.modules.OPD`); lit-rl starts a vLLM server for it unless
-                `teacher_base_url` is given. It must share the policy's tokenizer (checked at start).
-            teacher_base_url: an existing vLLM server of the teacher (scoring uses `prompt_logprobs`).
-            teacher_api_key: that server's API key.
-            teacher_server: options of the managed teacher server (as `server`).
             source: who samples the completions: ``policy`` (the model being trained, through
-                its own server; GRPO, OPD) or ``teacher`` (the frozen teacher: its completions
-                are cross-entropy data for SFT, its exact token ids trained as they are; no
-                policy server, no WeightSync).
+                its own server, synced after every step; GRPO, OPD) or ``teacher`` (the frozen
+                teacher of ``inference.teacher_model`` / ``inference.teacher_base_url``: its
+                completions are cross-entropy data for SFT, its exact token ids trained as they
+                are). The servers are the run's `InferenceRuntime`'s (the ``inference:`` options).
             weight: the rollouts' sampling weight against the `replay` sources' weights (only
                 matters with replay).
             replay: static datasets mixed into every batch (`lit_rl.data.replay.ReplaySource`:
@@ -158,20 +140,14 @@ class RolloutDataModule(L.LightningDataModule):
         self.num_retries, self.on_failure, self.requests_per_minute = num_retries, on_failure, requests_per_minute
         self.seed = seed
         self.micro_batch_tokens, self.packing, self.pack_length = micro_batch_tokens, packing, pack_length
-        self.base_url, self.api_key, self.server_options = base_url, api_key, dict(server or {})
         self.batch_timeout, self.progress_every = batch_timeout, progress_every
         self.tokenizer_name, self.chat_template_kwargs = tokenizer, chat_template_kwargs
-        self.teacher_model, self.teacher_base_url = teacher_model, teacher_base_url
-        self.teacher_api_key, self.teacher_server = teacher_api_key, dict(teacher_server or {})
-        self.teacher_endpoint = None  # the teacher's managed server or teacher_base_url
         self.source = source
         self.weight, self.replay = weight, list(replay or [])
         self.mix = ReplayMix(self.replay, rollout_name=source, rollout_weight=weight)
+        self.runtime: InferenceRuntime | None = None  # the run's servers (found at setup)
         self.rollouts: ThreadedRolloutBuffer | None = None
-        self.endpoint = None  # lit_rl.inference.server.Endpoint: the managed server or base_url
-        self._server_lease = None
         self._saved_state: dict | None = None
-        self._last_fetch = 0.0
 
     # ---- set-up and validation ---------------------------------------------------------------
     def option_problems(self) -> list[str]:
@@ -184,20 +160,8 @@ class RolloutDataModule(L.LightningDataModule):
         unknown = set(self.enforce_filters) - set(FILTERS)
         if unknown:
             problems.append(f"data.enforce_filters: unknown {sorted(unknown)}; known: {list(FILTERS)}")
-        if self.base_url and self.server_options:
-            problems.append("give data.base_url (an existing server) or data.server options, not both")
-        if self.teacher_base_url and self.teacher_server:
-            problems.append("give data.teacher_base_url (an existing server) or data.teacher_server options, not both")
-        if self.source not in SOURCES:
-            problems.append(f"data.source must be one of {SOURCES}, got {self.source!r}")
-        if self.source == "teacher" and not self.has_teacher:
-            problems.append("data.source 'teacher' needs a model to sample from: data.teacher_base_url (an existing "
-                            "server) is not set and there is no data.teacher_model to start one for")
-        if self.source == "teacher" and (self.base_url or self.server_options):
-            problems.append("data.base_url and data.server are the policy's server; data.source 'teacher' samples from "
-                            "the teacher (data.teacher_base_url, data.teacher_server)")
-        if self.teacher_server and not self.teacher_model:
-            problems.append("data.teacher_server options need data.teacher_model (the model to start a server for)")
+        if self.source not in SAMPLERS:
+            problems.append(f"data.source must be one of {SAMPLERS}, got {self.source!r}")
         problems += self.mix.problems()
         if self.batch_timeout <= 0:
             problems.append(f"data.batch_timeout must be > 0, got {self.batch_timeout}")
@@ -227,23 +191,29 @@ class RolloutDataModule(L.LightningDataModule):
                           group_size=self.group_size, world_size=world, batch_size=self.batch_size, problems=problems)
         if problems:
             raise ValueError("RolloutDataModule: " + str(len(problems)) + " problem(s):\n  - " + "\n  - ".join(problems))
+        if self.trainer is not None:
+            self.runtime.use(policy=self.source == "policy", teacher=True, tokenizer=self.resolve_tokenizer(),
+                             trust_remote_code=bool(getattr(self.trainer.lightning_module, "trust_remote_code", False)))
 
     def _trainer_problems(self) -> list[str]:
-        """What this source cannot do with the run's module and callbacks."""
-        problems = []
-        syncs = any(type(c).__name__ == "WeightSync" for c in self.trainer.callbacks)
+        """What this source cannot do with the run's module and servers (the runtime's option
+        problems included, so that every problem is reported at once)."""
+        try:
+            self.runtime = InferenceRuntime.of(self.trainer)
+        except ValueError as e:
+            return [str(e)]
+        problems = self.runtime.option_problems()
         kind = getattr(self.trainer.lightning_module, "loss_kind", None)
-        if self.source == "policy":
-            if not syncs:
-                problems.append("RolloutDataModule needs the WeightSync callback (trainer.callbacks: "
-                                "- class_path: lit_rl.callbacks.WeightSync): it starts the server and syncs the weights")
-            if kind == "cross_entropy":
-                problems.append("SFT may not train on the policy's own samples (data.source 'policy'): sample from a "
-                                "teacher (data.source 'teacher') or train on a dataset (StaticDataModule)")
-        else:
-            if syncs:
-                problems.append(f"data.source {self.source!r} samples from a frozen model: remove the WeightSync "
-                                "callback, which would load the trained weights into it")
+        if self.source == "policy" and kind == "cross_entropy":
+            problems.append("SFT may not train on the policy's own samples (data.source 'policy'): sample from a "
+                            "teacher (data.source 'teacher') or train on a dataset (StaticDataModule)")
+        if self.source == "teacher":
+            if not self.runtime.has_teacher:
+                problems.append("data.source 'teacher' needs a model to sample from: set inference.teacher_model "
+                                "(lit-rl starts a server for it) or inference.teacher_base_url (an existing server)")
+            if self.runtime.base_url or self.runtime.server:
+                problems.append("inference.base_url and inference.server are the policy's server; data.source "
+                                "'teacher' samples from the teacher (inference.teacher_model, inference.teacher_base_url)")
             if kind not in (None, "cross_entropy"):
                 problems.append(f"data.source {self.source!r} is not the policy's own samples, so it can only feed a "
                                 f"cross-entropy loss (lit_rl.modules.SFT), not {kind} "
@@ -255,50 +225,29 @@ class RolloutDataModule(L.LightningDataModule):
 
     @property
     def has_teacher(self) -> bool:
-        return bool(self.teacher_model or self.teacher_base_url)
+        """Whether the policy's samples come scored by a teacher (`teacher_logprobs`: what OPD
+        trains on); the run's `InferenceRuntime` serves the teacher. Known after `setup`."""
+        return self.source == "policy" and self.runtime is not None and self.runtime.has_teacher
 
     def _num_batches(self) -> int | None:
         steps = self.trainer.max_steps if self.trainer is not None else -1
         return steps if steps is not None and steps > 0 else None
 
-    # ---- the server and the rollouts (rank 0; WeightSync drives these) ------------------------------
-    def start(self, weights: Path | None, version: int) -> None:
-        """Serve `weights` (the policy after `version` optimizer steps) and start rollouts; with
-        the teacher source, start the teacher's rollouts (`weights` unused). Rank 0."""
-        from lit_rl.inference.server import open_endpoint
-
-        root = Path(self.trainer.default_root_dir).resolve()
+    # ---- the rollouts (rank 0) ------------------------------------------------------------------
+    def _start_rollouts(self) -> None:
+        """The rollout buffer on its own thread, sampling through the runtime's clients of the
+        source's server (scored by the teacher's when the run has one and the policy samples)."""
+        runtime, root = self.runtime, Path(self.trainer.default_root_dir)
         trust = bool(getattr(self.trainer.lightning_module, "trust_remote_code", False))
         tokenizer = load_tokenizer(self.resolve_tokenizer(), trust_remote_code=trust)  # built-in names too
-        teacher = self._start_teacher(tokenizer, trust)
-        if self.source == "teacher":  # the teacher samples: no policy server, no versions
-            self._start_rollouts(teacher, tokenizer, None, root)
-            self.rollouts.start()
-            return
-        options = {}
-        if self.base_url is None:
-            options = {"log_path": root / "vllm.log", "stop_on_sigterm": False, **self.server_options}
-            self._server_lease = lease(weights, "server")  # retention keeps the directory it was started on
-            self._server_lease.__enter__()
-            rank_zero_info(f"RolloutDataModule: starting vLLM on {weights} (log: {options['log_path']})")
-        self.endpoint = open_endpoint(base_url=self.base_url, model=weights, api_key=self.api_key, allowed_root=root,
-                                      interrupt=self._stop_requested, **options)
-        endpoint = self.endpoint
-        self._start_rollouts(lambda: endpoint.client(tokenizer=tokenizer), tokenizer, teacher, root)
-        if self.base_url is not None:  # an existing server: make it serve exactly the weights being trained
-            self.rollouts.run(lambda client: client.reload_weights(weights), timeout=self.batch_timeout)
-        self.rollouts.set_version(version)
-        self.rollouts.start()
-
-    def _start_rollouts(self, make_client, tokenizer: Any, teacher, root: Path) -> None:
-        """The rollout buffer on its own thread (not started yet), sampling through `make_client()`
-        clients, scored by `teacher()` clients when given."""
+        teacher_scores = self.has_teacher
         filters = [GibberishFilter(enforce="gibberish" in self.enforce_filters),
                    RepetitionFilter(enforce="repetition" in self.enforce_filters)]
         buffer = RolloutBuffer(
-            self.env, make_client, tokenizer,
+            self.env, runtime.client_factory(self.source, tokenizer=tokenizer), tokenizer,
             TrainSampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k),
-            batch_size=self.mix.rollout_count(self.batch_size), group_size=self.group_size, max_concurrency=self.max_concurrency,
+            batch_size=self.mix.rollout_count(self.batch_size), group_size=self.group_size,
+            max_concurrency=self.max_concurrency,
             # The teacher's samples never age; for them the bound keeps generation at most a batch
             # ahead of training (the buffer advances its version as batches are drawn).
             max_staleness=self.max_staleness if self.source == "policy" else 1,
@@ -306,8 +255,9 @@ class RolloutDataModule(L.LightningDataModule):
             num_retries=self.num_retries, on_failure=self.on_failure, scale=self.scale,
             skip_zero_advantage=self.skip_zero_advantage, filters=filters,
             requests_per_minute=self.requests_per_minute, seed=self.seed,
-            chat_template_kwargs=self.chat_template_kwargs, teacher=teacher,
-            source="teacher" if self.source == "teacher" else "rollout",
+            chat_template_kwargs=self.chat_template_kwargs,
+            teacher=runtime.client_factory("teacher", tokenizer=tokenizer) if teacher_scores else None,
+            source=self.source,
         )
         if self._saved_state is not None:
             buffer.load_state_dict(self._saved_state)
@@ -315,77 +265,29 @@ class RolloutDataModule(L.LightningDataModule):
             for old in (root / "rollouts").glob("trained*.jsonl"):
                 old.unlink(missing_ok=True)
         self.rollouts = ThreadedRolloutBuffer(buffer)
+        if self.source == "policy":
+            self.rollouts.set_version(runtime.policy_version)
+            runtime.on_sync(self.rollouts.set_version)  # new rollouts are stamped with the version served
+        runtime.before_stop(self.close_rollouts)
+        self.rollouts.start()
 
-    def _start_teacher(self, tokenizer: Any, trust: bool):
-        """The teacher's endpoint (started or existing) and a factory of its clients; None without a
-        teacher. Its tokenizer must be the policy's: checked before any teacher server starts when
-        `teacher_model` names it, else from the server's model directory."""
-        from lit_rl.inference.server import open_endpoint
-        from lit_rl.rollouts.teacher import tokenizer_mismatch
-
-        if not self.has_teacher:
-            return None
-        if self.teacher_model:
-            problem = tokenizer_mismatch(tokenizer, load_tokenizer(self.teacher_model, trust_remote_code=trust))
-            if problem:
-                raise ValueError(f"RolloutDataModule: the teacher {self.teacher_model} {problem}")
-        options = {}
-        if self.teacher_base_url is None:
-            root = Path(self.trainer.default_root_dir).resolve()
-            options = {"log_path": root / "vllm_teacher.log", "dev_mode": False, "stop_on_sigterm": False,
-                       **self.teacher_server}
-            rank_zero_info(f"RolloutDataModule: starting the teacher's vLLM on {self.teacher_model} "
-                           f"(log: {options['log_path']})")
-        self.teacher_endpoint = open_endpoint(base_url=self.teacher_base_url, model=self.teacher_model,
-                                              api_key=self.teacher_api_key, interrupt=self._stop_requested, **options)
-        endpoint = self.teacher_endpoint
-        if not self.teacher_model:  # only the server knows what it serves
-
-            async def served_tokenizer():
-                async with endpoint.client() as client:
-                    return await client.tokenizer()
-
-            problem = tokenizer_mismatch(tokenizer, asyncio.run(served_tokenizer()))
-            if problem:
-                raise ValueError(f"RolloutDataModule: the teacher at {self.teacher_base_url} {problem}")
-        return lambda: endpoint.client(tokenizer=tokenizer)
-
-    def sync(self, weights: Path, version: int, timeout: float) -> None:
-        """After optimizer step `version`: the server serves `weights`, new rollouts are stamped
-        with `version`. Rank 0."""
-        self.rollouts.run(lambda client: client.reload_weights(weights), timeout=timeout)
-        self.rollouts.set_version(version)
-
-    def _stop_requested(self) -> bool:
-        return stopping.requested(self.trainer)
-
-    def shutdown(self) -> None:
-        """Stop the rollouts (requests in flight aborted; their state kept for `state_dict`) and
-        the managed servers (idempotent; also on errors and signals)."""
-        if self.rollouts is not None or self.endpoint is not None or self.teacher_endpoint is not None:
-            rank_zero_info("RolloutDataModule: stopping the rollouts and the inference servers")
-        rollouts = self.rollouts
-        if rollouts is not None:
-            try:
-                self._saved_state = rollouts.state_dict()  # in-flight tasks become pending: none is lost
-            except Exception as e:  # the loop may be gone already; the last checkpoint has what it had
-                log.warning("RolloutDataModule: could not read the rollout state before stopping: %r", e)
-            self.rollouts = None
-            rollouts.close()
-        for name in ("endpoint", "teacher_endpoint"):
-            endpoint = getattr(self, name)
-            setattr(self, name, None)
-            if endpoint is not None:
-                endpoint.stop()
-        if self._server_lease is not None:
-            self._server_lease.__exit__(None, None, None)
-            self._server_lease = None
+    def close_rollouts(self) -> None:
+        """Stop the rollouts (requests in flight aborted) and keep their state for `state_dict`:
+        in-flight tasks are drawn again on resume, so none is lost. Idempotent."""
+        rollouts, self.rollouts = self.rollouts, None
+        if rollouts is None:
+            return
+        try:
+            self._saved_state = rollouts.state_dict()
+        except Exception as e:  # the loop may be gone already; the last checkpoint has what it had
+            log.warning("RolloutDataModule: could not read the rollout state before stopping: %r", e)
+        rollouts.close()
 
     def teardown(self, stage: str | None = None) -> None:
-        self.shutdown()
+        self.close_rollouts()
 
     def on_exception(self, exception: BaseException) -> None:
-        self.shutdown()  # after every callback's on_exception: a graceful stop has saved by now
+        self.close_rollouts()
 
     # ---- batches: step numbers from the loader, rollouts inside the step ---------------------------
     def train_dataloader(self):
@@ -411,16 +313,16 @@ class RolloutDataModule(L.LightningDataModule):
                            "metrics": self.rollouts.metrics(), "progress": self.rollouts.progress()}
                 trace_batch(self._root(), trainer.global_step, batch, replay)
         if trainer.world_size > 1:  # plain data across ranks, samples as dicts
-            payload = _from_wire(trainer.strategy.broadcast(_to_wire(payload) if payload is not None else None, src=0))
+            payload = from_wire(trainer.strategy.broadcast(to_wire(payload) if payload is not None else None, src=0))
         if payload.get("stop"):  # every rank abandons the step before training any of it
             raise stopping.stop(trainer, f"step {trainer.global_step} abandoned while waiting for its batch")
         samples = payload["samples"]
-        mine = _share(samples, trainer.global_rank, trainer.world_size)
+        mine = rank_share(samples, trainer.global_rank, trainer.world_size)
         if trainer.world_size > 1:
             trace_share(self._root(), trainer.global_step, trainer.global_rank, mine)
         layout = dict(micro_batch_tokens=self.micro_batch_tokens, packing=self.packing, pack_length=self.pack_length)
         if self.mix.split:  # each source packed apart, micro-batches tagged with the loss they feed
-            parts = [(part, mine if i == 0 else _share(payload["replay"][part.name], trainer.global_rank,
+            parts = [(part, mine if i == 0 else rank_share(payload["replay"][part.name], trainer.global_rank,
                                                         trainer.world_size))
                      for i, (part, _) in enumerate(self.mix.split)]
             step = build_mixed_step(parts, **layout)
@@ -433,18 +335,16 @@ class RolloutDataModule(L.LightningDataModule):
             rank_zero_info(f"step {trainer.global_step}: {payload['progress']}")
         return step
 
-
     def _wait_for_batch(self):
         """Rank 0: the step's batch, or None when a stop was asked for while waiting (the batch
         then stays in the buffer, and errors of servers that go down with the job are that stop)."""
         trainer = self.trainer
         with stopping.stops_on_request(trainer, "waiting for the batch"):
-            if self.rollouts is None and self.source == "teacher":  # no WeightSync to start it: the first step does
-                self.start(None, trainer.global_step)
-            if self.rollouts is None:
-                raise RuntimeError("RolloutDataModule: rollouts were not started (is the WeightSync callback there?)")
+            if self.rollouts is None:  # the first draw starts them, on the servers the runtime started
+                self._start_rollouts()
             try:
-                batch = self.rollouts.next_batch(timeout=self.batch_timeout, interrupt=self._stop_requested)
+                batch = self.rollouts.next_batch(timeout=self.batch_timeout,
+                                                 interrupt=lambda: stopping.requested(trainer))
             except Interrupted:
                 return None
         if batch is None:
@@ -468,27 +368,6 @@ class RolloutDataModule(L.LightningDataModule):
     def load_state_dict(self, state: dict) -> None:
         self._saved_state = state.get("buffer")
         self.mix.load_state_dict(state.get("replay"))
-
-
-def _to_wire(payload: dict) -> dict:
-    """A step's payload as plain data for a broadcast (samples as dicts)."""
-    if payload.get("stop"):
-        return payload
-    return {**payload, "samples": [sample_to_dict(s) for s in payload["samples"]],
-            "replay": {k: [sample_to_dict(s) for s in v] for k, v in payload["replay"].items()}}
-
-
-def _from_wire(payload: dict) -> dict:
-    if payload.get("stop"):
-        return payload
-    return {**payload, "samples": [sample_from_dict(d) for d in payload["samples"]],
-            "replay": {k: [sample_from_dict(d) for d in v] for k, v in payload["replay"].items()}}
-
-
-def _share(samples: list, rank: int, world: int) -> list:
-    """Rank `rank`'s contiguous share of a source's samples (their count divides by the ranks)."""
-    share = len(samples) // world
-    return samples[rank * share:(rank + 1) * share]
 
 
 class _StepNumbers(torch.utils.data.IterableDataset):

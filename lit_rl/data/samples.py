@@ -12,6 +12,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+#: who made a sample's tokens: a dataset row, the policy being trained (its own samples), a frozen
+#: teacher (its completions, SFT data). The one vocabulary of sources, in samples, configs and metrics.
+SOURCES = ("static", "policy", "teacher")
+SAMPLERS = ("policy", "teacher")  # the sources rollouts come from
+
 PER_TOKEN_FIELDS = ("logprobs", "advantages", "teacher_logprobs")  # float, len(input_ids) each; packing carries them
 
 
@@ -24,7 +29,7 @@ class Sample:
     teacher_logprobs: list[float] | None = None  # the teacher's logprob of each token (OPD)
     policy_version: int | None = None  # weights version that started the rollout (stamped by the buffer)
     reward: float | None = None
-    source: str = "static"  # the data source that made it: "static", "rollout", "teacher", ...
+    source: str = "static"  # who made its tokens, one of SOURCES
     truncated: bool = False  # cut to max_length by the data source
     finish_reason: str | None = None  # the server's finish reason for a rollout completion; "length": hit max_tokens
     metadata: dict = field(default_factory=dict)  # free-form, kept in traces

@@ -1,9 +1,11 @@
 """Inference for rollouts, teacher scoring and evals: a vLLM server in its own process and an async client.
 
-    server.py   VLLMServer (start / health / stop of vLLM's OpenAI server, through vllm_main.py),
-                open_endpoint (start one, or use an existing base_url)
+    server.py   VLLMServer (start / health / stop of vLLM's OpenAI server, through vllm_main.py)
+    endpoint.py open_endpoint (start one, or use an existing base_url)
+    worker_extension.py  WorkerExtension (runs inside vLLM's workers: reloads that repair a tied head)
     client.py   InferenceClient (generate / chat / score / reload_weights over the OpenAI API)
     gpus.py     plan_gpus (split one node's GPUs between training and the server)
+    runtime.py  InferenceRuntime (the one owner of a training run's servers: start, weight sync, stop)
 """
 
 from lit_rl.inference.client import (
@@ -15,9 +17,20 @@ from lit_rl.inference.client import (
     chat_prompt_ids,
 )
 from lit_rl.inference.gpus import GPUPlan, plan_gpus, visible_gpus
-from lit_rl.inference.server import Endpoint, ServerStartError, VLLMServer, open_endpoint
+from lit_rl.inference.endpoint import Endpoint, open_endpoint
+from lit_rl.inference.server import ServerStartError, VLLMServer
 
 __all__ = [
-    "Completion", "Endpoint", "GPUPlan", "InferenceClient", "InferenceRequestError", "InferenceServerError",
+    "Completion", "Endpoint", "GPUPlan", "InferenceClient", "InferenceRuntime", "InferenceRequestError", "InferenceServerError",
     "ReloadRefused", "ServerStartError", "VLLMServer", "chat_prompt_ids", "open_endpoint", "plan_gpus", "visible_gpus",
 ]
+
+
+def __getattr__(name: str):
+    # Lazily: the runtime imports Lightning, and vLLM's own processes import this package (the
+    # server's entry point and worker extension live here) without needing it.
+    if name == "InferenceRuntime":
+        from lit_rl.inference.runtime import InferenceRuntime
+
+        return InferenceRuntime
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

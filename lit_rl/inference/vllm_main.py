@@ -1,12 +1,15 @@
 """Entry point of the vLLM servers lit-rl starts: vLLM's own OpenAI server, with one setting
-vLLM does not expose.
+vLLM does not expose, changed by patching a private class of vLLM (the only patch lit-rl makes
+to vLLM, and only when `LIT_RL_VLLM_SPIN_S` is set: lit-rl sets it on CPU builds).
 
 vLLM's engine core and worker talk through shared-memory queues whose readers spin-wait
 (`os.sched_yield()` in a loop) for `busy_loop_s` = 1 s after every message before they sleep on a
 socket (`shm_broadcast.SpinCondition`, hard-coded). On a GPU node that costs a spare CPU core for
 a second; on a CPU-only machine it takes a core from the trainer after every batch of rollouts
 (measured in docs/benchmarks.md, GRPO step: 1.3-1.6x slower steps on 2 cores). When
-`LIT_RL_VLLM_SPIN_S` is set, every reader spins that long instead. The patch runs at import, so
+`LIT_RL_VLLM_SPIN_S` is set, every reader spins that long instead: `SpinCondition.__init__` is
+wrapped so that its `busy_loop_s` default is that value (checked against vLLM 0.32's signature;
+on a vLLM without that parameter nothing is changed and a warning says so). The patch runs at import, so
 it holds in vLLM's forked processes (inherited) and in spawned ones (multiprocessing re-imports
 the parent's `__main__`, this module, as `__mp_main__` in the child; vLLM spawns its engine core
 and CPU worker).

@@ -2,8 +2,8 @@
 
 It owns what all algorithms share and nothing else: loading the HF model in
 `configure_model` (so FSDP can shard it and `__init__` stays cheap on every rank),
-the injected optimizer and schedule, one optimizer step per `training_step`, and the
-output head applied only where a token is trained.
+the injected optimizer and schedule, one optimizer step per `training_step` (in named
+parts, `lit_rl/modules/step.py`), and the output head applied only where a token is trained.
 
 Why manual optimization: a batch from a lit-rl datamodule is one whole optimizer
 step, already split into micro-batches. Knowing every micro-batch up front lets the
@@ -23,11 +23,6 @@ scaling) is detected on the first micro-batch and keeps the full-logits path.
 
 from __future__ import annotations
 
-import resource
-import sys
-import time
-from contextlib import nullcontext
-
 import logging
 
 import lightning as L
@@ -37,13 +32,14 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lit_rl.chunked_head import DEFAULT_CHUNK_SIZE, selected_cross_entropy_sum, selected_token_logprobs
 from lit_rl.losses import masked_cross_entropy_sum, shifted_token_logprobs, token_entropy
 from lit_rl.modules.model_loading import load_causal_lm
+from lit_rl.modules.step import TrainingStep, trained_tokens
 from lit_rl.optim import build_lr_scheduler, trainer_total_steps
 from lit_rl.sharding import FSDP2Options, apply_fsdp2, body, is_sharded
 
 log = logging.getLogger(__name__)
 
 
-class CausalLMModule(L.LightningModule):
+class CausalLMModule(TrainingStep, L.LightningModule):
     # what the loss does with the tokens: "cross_entropy" (any source), "policy_gradient" and
     # "distillation" (the policy's own samples only); data modules check it against their source
     loss_kind: str | None = None
@@ -264,135 +260,7 @@ class CausalLMModule(L.LightningModule):
     def loss_normaliser(self, micro_batch: dict[str, torch.Tensor]) -> float:
         """The micro-batch's part of what the step's loss sum is divided by; summed over the step's
         micro-batches and ranks before any backward. Default: its trained tokens (SFT)."""
-        return float(micro_batch["loss_mask"][:, 1:].sum())
-
-    # ---- mixed sources: each micro-batch feeds the loss its samples are for ----------------------
-    def _feeds_cross_entropy(self, micro_batch: dict) -> bool:
-        """A micro-batch of static or teacher rows in a run whose own loss is another (replay rows
-        in GRPO or OPD, `lit_rl.data.mixing`): it gets the cross-entropy, not the algorithm's loss."""
-        return micro_batch.get("loss") == "cross_entropy" and self.loss_kind != "cross_entropy"
-
-    def _part_loss_sum(self, micro_batch: dict):
-        if self._feeds_cross_entropy(micro_batch):
-            return self.target_cross_entropy_sum(micro_batch)
-        return self.micro_batch_loss_sum(micro_batch)
-
-    def _part_normaliser(self, micro_batch: dict) -> float:
-        if self._feeds_cross_entropy(micro_batch):
-            return CausalLMModule.loss_normaliser(self, micro_batch)
-        return self.loss_normaliser(micro_batch)
-
-    # ---- one optimizer step per batch ----------------------------------------------------
-    def _sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        """Collective under multi-process strategies: every rank must call it."""
-        return self.trainer.strategy.reduce(value, reduce_op="sum")
-
-    def _skip_grad_sync(self, skip: bool):
-        block = getattr(self.trainer.strategy, "block_backward_sync", None)
-        return block() if skip and block is not None else nullcontext()
-
-    def _clip_and_measure_grad_norm(self) -> torch.Tensor:
-        max_norm = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
-        wrapped = self.trainer.strategy.model
-        if hasattr(wrapped, "clip_grad_norm_"):  # FSDP1: the norm must be taken over the shards
-            return wrapped.clip_grad_norm_(max_norm)
-        # FSDP2: gradients are DTensor shards; the norm is taken over all of them (a collective)
-        norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-    def _empty_micro_batch(self) -> dict[str, torch.Tensor]:
-        """Stands in when every row of this rank's step was skipped, so gradient sync still lines up."""
-        ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
-        zeros = torch.zeros((1, 2), device=self.device)
-        return {"input_ids": ids, "position_ids": torch.arange(2, device=self.device)[None], "loss_mask": ids.bool(),
-                "sequence_ids": ids - 1, "logprobs": zeros, "advantages": zeros, "teacher_logprobs": zeros}
-
-    @staticmethod
-    def _split_loss_output(out) -> tuple[torch.Tensor, dict]:
-        return out if isinstance(out, tuple) else (out, {})
-
-    def _step_micro_batches(self, batch: dict) -> list[dict]:
-        """The step's micro-batches on this rank; an empty one stands in for each source of a mixed
-        step that gave this rank nothing (or for a step with no rows), so that every rank takes
-        part in the same collectives and logs the same metric names."""
-        micro_batches = list(batch["micro_batches"])
-        present = {mb.get("part") for mb in micro_batches}
-        for name, loss in batch.get("parts") or []:
-            if name not in present:
-                micro_batches.append({**self._empty_micro_batch(), "part": name, "loss": loss})
-        return micro_batches or [self._empty_micro_batch()]
-
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        start = self._last_step_end or time.perf_counter()
-        compute_start = time.perf_counter()
-        optimizer = self.optimizers()
-        micro_batches = self._step_micro_batches(batch)
-        # Each loss part (the algorithm's own; cross-entropy for replay rows in a mixed step) is
-        # divided by its own normaliser over the whole step and all ranks; one part without a mix.
-        parts = [name for name, _ in batch.get("parts") or []]
-        kinds = sorted({mb.get("loss", "") for mb in micro_batches})  # the same on every rank
-        local = torch.zeros(1 + len(kinds) + len(parts), device=self.device)  # [targets, normaliser per kind, targets per part]
-        part_normalisers = [self._part_normaliser(mb) for mb in micro_batches]  # each micro-batch's, once
-        for mb, part_normaliser in zip(micro_batches, part_normalisers):
-            targets = float(mb["loss_mask"][:, 1:].sum())
-            local[0] += targets
-            local[1 + kinds.index(mb.get("loss", ""))] += part_normaliser
-            if parts:
-                local[1 + len(kinds) + parts.index(mb["part"])] += targets
-        counts = self._sum_over_ranks(local)
-        step_targets, normalisers = counts[0], counts[1:1 + len(kinds)].clamp(min=1.0)
-        optimizer.zero_grad(set_to_none=True)
-        loss_sums = torch.zeros(len(kinds), device=self.device)
-        metric_sums: dict[str, torch.Tensor] = {}
-
-        def add_metric(name: str, value, count) -> None:
-            pair = torch.stack([torch.as_tensor(value, dtype=torch.float32, device=self.device).detach(),
-                                torch.as_tensor(count, dtype=torch.float32, device=self.device)])
-            metric_sums[name] = metric_sums[name] + pair if name in metric_sums else pair
-
-        for i, mb in enumerate(micro_batches):
-            kind = kinds.index(mb.get("loss", ""))
-            with self._skip_grad_sync(i < len(micro_batches) - 1):
-                mb_loss_sum, mb_metrics = self._split_loss_output(self._part_loss_sum(mb))
-                # DDP/FSDP average gradients over ranks; multiplying by world_size turns that into a sum.
-                self.manual_backward(mb_loss_sum * (self.trainer.world_size / normalisers[kind]))
-            loss_sums[kind] += mb_loss_sum.detach()
-            for name, (value, count) in mb_metrics.items():
-                add_metric(name, value, count)
-                if parts:
-                    add_metric(f"{mb['part']}/{name}", value, count)
-            if parts:  # the part's own mean loss: its sum over its own normaliser
-                add_metric(f"{mb['part']}/loss", mb_loss_sum, part_normalisers[i])
-        grad_norm = self._clip_and_measure_grad_norm()
-        lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        # Gradients are freed at once, not at the next step: validation, exports and checkpoints
-        # between steps then run without a second copy of the weights' size in memory.
-        optimizer.zero_grad(set_to_none=True)
-        scheduler = self.lr_schedulers()
-        if scheduler is not None:
-            scheduler.step()
-        loss = (self._sum_over_ranks(loss_sums) / normalisers).sum()
-        self._last_step_end = time.perf_counter()
-        metrics = {
-            "train/loss": loss,
-            "train/tokens": step_targets,
-            "train/tokens_per_s": step_targets / max(self._last_step_end - start, 1e-9),
-            "train/lr": lr,
-            "train/grad_norm": grad_norm,
-            "train/peak_memory_gb": peak_memory_gb(self.device),
-            "train/compute_s": self._last_step_end - compute_start,  # forward, backward and optimizer
-        }
-        if metric_sums:  # one collective for all of them; every rank returns the same names
-            names = sorted(metric_sums)
-            totals = self._sum_over_ranks(torch.stack([metric_sums[n] for n in names]))  # [M, 2]
-            metrics.update({f"train/{n}": totals[i, 0] / totals[i, 1].clamp(min=1.0) for i, n in enumerate(names)})
-        metrics.update({f"train/{name}/tokens": counts[1 + len(kinds) + i] for i, name in enumerate(parts)})
-        metrics.update({f"train/{k}": v for k, v in batch.get("stats", {}).items()})
-        metrics.update(batch.get("metrics", {}))  # full names, e.g. rollout/... from a rollout data module
-        self.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, batch_size=1)
-        self.log("loss", loss, prog_bar=True, logger=False, batch_size=1)
-        return loss
+        return trained_tokens(micro_batch)
 
     # ---- validation: the same loss over a held-out split -------------------------------------
     def validation_step(self, batch: dict, batch_idx: int) -> None:
@@ -406,12 +274,3 @@ class CausalLMModule(L.LightningModule):
         self._val_sums.clear()
         sums = self._sum_over_ranks(sums.to(self.device))
         self.log("val/loss", sums[0] / sums[1].clamp(min=1.0), batch_size=1)
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak memory so far, in GB (1e9 bytes): the CUDA allocator's maximum on a GPU, this
-    process's peak resident set on CPU (what the OS had to give it, libraries included)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 1e9 if sys.platform == "darwin" else peak * 1024 / 1e9  # bytes on macOS, KiB on Linux

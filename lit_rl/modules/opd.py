@@ -2,8 +2,8 @@
 
 The student samples completions of the environment's prompts (the rollout buffer, as in
 GRPO); a frozen teacher served by its own vLLM server scores exactly the sampled tokens with
-one prefill per completion (`RolloutDataModule(teacher_model=... or teacher_base_url=...)`
-fills each sample's `teacher_logprobs`). The per-token advantage is the teacher's logprob
+one prefill per completion (the run's `InferenceRuntime` serves it, from `inference.teacher_model`
+or `inference.teacher_base_url`; the rollout buffer fills each sample's `teacher_logprobs`). The per-token advantage is the teacher's logprob
 minus the sampler's, the negative of the sampled token's reverse-KL estimate, with no
 discount over later tokens (Agarwal et al. 2024; Thinking Machines' "On-Policy
 Distillation"): the policy gradient of that advantage lowers KL(student || teacher) on the
@@ -60,16 +60,16 @@ class OPD(CausalLMModule):
 
     def setup(self, stage: str) -> None:
         data = getattr(self.trainer, "datamodule", None)
-        if stage == "fit" and not getattr(data, "has_teacher", False):
+        if stage == "fit" and not getattr(data, "has_teacher", False):  # its samples carry the teacher's scores
             raise ValueError(
-                "OPD needs a teacher to score the student's samples: set data.teacher_base_url (an existing vLLM "
-                "server) or data.teacher_model (lit-rl starts one) of a RolloutDataModule"
+                "OPD needs a teacher to score the student's samples: set inference.teacher_model (lit-rl starts a "
+                "vLLM server for it) or inference.teacher_base_url (an existing server), with a RolloutDataModule"
             )
 
     def micro_batch_loss_sum(self, micro_batch: dict[str, torch.Tensor]):
         if "teacher_logprobs" not in micro_batch or "logprobs" not in micro_batch:
             raise ValueError("OPD trains on rollouts with sampling and teacher logprobs; use a RolloutDataModule "
-                             "with a teacher (data.teacher_model or data.teacher_base_url)")
+                             "and a teacher (inference.teacher_model or inference.teacher_base_url)")
         logprobs, entropy = self.target_logprobs(micro_batch, with_entropy=self.log_entropy)  # [B, T], [B, T]
         mask = micro_batch["loss_mask"]  # [B, T]
         loss_sum, sums = opd_loss_sums(

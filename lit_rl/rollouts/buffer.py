@@ -22,6 +22,11 @@ dead server or a broken environment surfaces within (num_retries + 1) client ret
 plus the backoff. An environment that breaks its contract (wrong group size, a sample
 without a reward) is fatal at once: retrying a bug does not fix it.
 
+One file, over the usual 400 lines, because it is one state machine: spawning, retries, teacher
+scoring, acceptance, metrics and `state_dict` all read and write the same in-flight bookkeeping
+(`_running`, `_respawn`, the scheduler), and splitting them would spread its invariants (no task
+lost, none trained twice) over several files.
+
 Resume: `state_dict()` is plain JSON-able data (no pickle): the scheduler state with the
 finished-but-unpopped groups' samples as dicts, the task cursor, and the tasks in flight at
 save time, which a loaded buffer spawns again first, so no task is skipped and no accepted
@@ -42,7 +47,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lit_rl.data.samples import Sample, SampleGroup
+from lit_rl.data.samples import SAMPLERS, Sample, SampleGroup
 from lit_rl.inference.client import InferenceClient, InferenceServerError
 from lit_rl.rollouts.advantages import SCALES, Scale, all_equal, with_group_advantages
 from lit_rl.rollouts.context import RolloutContext, TrainSampling
@@ -53,7 +58,6 @@ log = logging.getLogger(__name__)
 
 STATE_FORMAT = 1
 ON_FAILURE = ("reject", "raise")
-SOURCES = ("rollout", "teacher")
 
 
 class RolloutError(RuntimeError):
@@ -113,7 +117,7 @@ class RolloutBuffer:
         seed: int = 0,
         chat_template_kwargs: dict | None = None,
         teacher: InferenceClient | Callable[[], InferenceClient] | None = None,
-        source: str = "rollout",
+        source: str = "policy",
     ) -> None:
         """
         Args:
@@ -150,7 +154,7 @@ class RolloutBuffer:
                 every accepted group is scored by it as part of its rollout (one prefill per
                 sample, concurrently), filling each sample's `teacher_logprobs` on its
                 trained tokens (on-policy distillation). None: no teacher.
-            source: who `client` samples from: "rollout" (the policy) or "teacher" (a frozen
+            source: who `client` samples from: "policy" (the model being trained) or "teacher" (a frozen
                 teacher whose completions are SFT data): then every sample's `source` is
                 "teacher", its sampling logprobs move to `teacher_logprobs` and `logprobs` is
                 None (they are not the policy's: no staleness, exempt from logprob filters);
@@ -182,8 +186,8 @@ class RolloutBuffer:
             problems.append(f"max_consecutive_failures must be an int >= 1 or None, got {max_consecutive_failures!r}")
         if rollout_timeout is not None and (not _is_number(rollout_timeout) or rollout_timeout <= 0):
             problems.append(f"rollout_timeout must be a number > 0 or None, got {rollout_timeout!r}")
-        if source not in SOURCES:
-            problems.append(f"source must be one of {SOURCES}, got {source!r}")
+        if source not in SAMPLERS:
+            problems.append(f"source must be one of {SAMPLERS}, got {source!r}")
         if source == "teacher" and teacher is not None:
             problems.append("source 'teacher' samples from the teacher itself; give no separate teacher to score them")
         if scale not in SCALES:

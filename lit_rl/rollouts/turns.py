@@ -72,7 +72,7 @@ def completion_sample(prompt_ids: Sequence[int], completion: Completion, *, rewa
         loss_mask=[False] * n + [True] * m,
         logprobs=[0.0] * n + [float(x) for x in completion.logprobs],
         reward=None if reward is None else float(reward),
-        source="rollout",
+        source="policy",
         truncated=completion.finish_reason == "length",
         finish_reason=completion.finish_reason,
         metadata=dict(metadata or {}),
@@ -161,7 +161,7 @@ class Transcript:
         meta = {"turns": len(self.completions), "finish_reasons": reasons, **(metadata or {})}
         return Sample(
             input_ids=list(self.input_ids), loss_mask=list(self.loss_mask), logprobs=list(self.logprobs),
-            reward=None if reward is None else float(reward), source="rollout",
+            reward=None if reward is None else float(reward), source="policy",
             truncated="length" in reasons, finish_reason=reasons[-1], metadata=meta,
         )
 

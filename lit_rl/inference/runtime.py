@@ -1,0 +1,327 @@
+"""InferenceRuntime: the one owner of a training run's inference servers.
+
+Every process a run serves models from is started, synced and stopped here, and nowhere else:
+the policy's vLLM server (RL: rollouts), a frozen teacher's (on-policy distillation, SFT on a
+teacher's completions) and the evaluator process with its own server (online evals). The
+other parts only say what they need and ask for clients:
+
+- the rollout data module, at setup: `use(policy=..., teacher=..., tokenizer=...)`; when its
+  rollouts start: `client_factory("policy" | "teacher")` and `policy_version`, then `on_sync(fn)`
+  to hear of each new version, and `before_stop(fn)` to close them before the servers go;
+- OnlineEval: `start_evaluator(...)`, `finish_evaluator(...)`.
+A run that declares nothing (plain SFT) starts no server.
+
+`lit-rl fit` adds one to every run; its options are the `inference:` section of a config
+(`--inference.teacher_model ...`, `--inference.base_url ...`). In Python, put one in
+`Trainer(callbacks=[...])`.
+
+Lifecycle (rank 0 owns the processes; exports are collective):
+    on_train_start      export the current weights and start the policy's server on them (or make
+                        an existing `base_url` server reload them), then the teacher's;
+    on_train_batch_end  sync: export step k, reload the policy's server, `policy_version = k`
+                        (the one record of which weights are served), tell the listeners;
+    on_train_end        stop everything;
+    on_exception        a graceful stop (SIGTERM, Ctrl-C) first writes its checkpoint
+                        (`lit_rl.stopping`), then everything stops: the listeners close their
+                        rollouts (requests in flight aborted), then the evaluator and the
+                        servers, together (SIGTERM to each process group, SIGKILL after a grace).
+
+The transport of a sync is the filesystem (`HFExport.sync_export`, then vLLM's `reload_weights`),
+which works wherever the trainer and the server share a disk. vLLM's NCCL weight-transfer
+endpoints are the GPU fast path: a subclass overrides `push_weights` and keeps the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lit_rl import stopping
+from lit_rl.child_process import dies_with_parent, stop_process_group
+from lit_rl.inference.endpoint import Endpoint, open_endpoint
+from lit_rl.inference.server import StartInterrupted
+from lit_rl.run_dir import lease
+
+ROLES = ("policy", "teacher")
+
+
+class InferenceRuntime(L.Callback):
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        server: dict | None = None,
+        teacher_model: str | None = None,
+        teacher_base_url: str | None = None,
+        teacher_api_key: str | None = None,
+        teacher_server: dict | None = None,
+        sync_timeout: float = 300.0,
+    ):
+        """
+        Args:
+            base_url: an existing OpenAI-compatible vLLM server of the policy (started with
+                ``VLLM_SERVER_DEV_MODE=1``, able to read this run directory); None: lit-rl starts
+                one on the trainer's weights when the run samples from the policy (RL).
+            api_key: that server's API key.
+            server: options of the policy's managed server (`lit_rl.inference.server.VLLMServer`),
+                e.g. ``{dtype: float32, max_model_len: 1024, enforce_eager: true}``.
+            teacher_model: a frozen teacher (name or path) for on-policy distillation
+                (`lit_rl.modules.OPD`: it scores every sampled token) or SFT on its completions
+                (``data.source: teacher``); lit-rl starts a vLLM server for it unless
+                `teacher_base_url` is given. It must share the policy's tokenizer (checked first).
+            teacher_base_url: an existing vLLM server of the teacher.
+            teacher_api_key: that server's API key.
+            teacher_server: options of the teacher's managed server (as `server`).
+            sync_timeout: seconds one reload of the policy's server may take before the run fails.
+        """
+        self.base_url, self.api_key, self.server = base_url, api_key, dict(server or {})
+        self.teacher_model, self.teacher_base_url = teacher_model, teacher_base_url
+        self.teacher_api_key, self.teacher_server = teacher_api_key, dict(teacher_server or {})
+        problems = self.option_problems()
+        if problems:
+            raise ValueError("inference: " + "; ".join(problems))
+        self.sync_timeout = sync_timeout
+        self.serves_policy = False  # set by `use`: a run that samples from the policy
+        self.serves_teacher = False  # ... or from a teacher, or scores with one
+        self.tokenizer_name: str | None = None
+        self.trust_remote_code = False
+        self.policy_version: int | None = None  # the optimizer steps whose weights the policy's server serves
+        self.endpoints: dict[str, Endpoint] = {}
+        self.evaluator: subprocess.Popen | None = None
+        self.last_sync_s = 0.0
+        self._listeners: list[Callable[[int], None]] = []
+        self._before_stop: list[Callable[[], None]] = []
+        self._lease = None
+        self._exporter = None
+
+    # ---- what the run's parts declare and ask ---------------------------------------------------
+    @staticmethod
+    def of(trainer) -> InferenceRuntime:
+        """The run's runtime (the one in `trainer.callbacks`)."""
+        found = [c for c in getattr(trainer, "callbacks", []) if isinstance(c, InferenceRuntime)]
+        if len(found) != 1:
+            raise ValueError(f"this run needs exactly one lit_rl.inference.InferenceRuntime in trainer.callbacks, "
+                             f"found {len(found)} (lit-rl fit adds one; configure it under `inference:`)")
+        return found[0]
+
+    def option_problems(self) -> list[str]:
+        problems = []
+        if self.base_url and self.server:
+            problems.append("give inference.base_url (an existing server) or inference.server options, not both")
+        if self.teacher_base_url and self.teacher_server:
+            problems.append("give inference.teacher_base_url (an existing server) or inference.teacher_server "
+                            "options, not both")
+        if self.teacher_base_url and self.teacher_model:
+            problems.append("give inference.teacher_base_url (an existing server) or inference.teacher_model (lit-rl "
+                            "starts a server for it), not both")
+        if self.teacher_server and not self.teacher_model:
+            problems.append("inference.teacher_server options need inference.teacher_model (the model to start a "
+                            "server for)")
+        return problems
+
+    @property
+    def has_teacher(self) -> bool:
+        return bool(self.teacher_model or self.teacher_base_url)
+
+    def use(self, *, policy: bool, teacher: bool, tokenizer: str, trust_remote_code: bool = False) -> None:
+        """Declared at setup by the part that samples: whether the policy is served (and synced
+        after every step), whether the teacher is, and the policy's tokenizer, which a teacher
+        must share. A run that declares nothing (plain SFT) starts no server."""
+        self.serves_policy, self.serves_teacher = policy, teacher and self.has_teacher
+        self.tokenizer_name, self.trust_remote_code = tokenizer, trust_remote_code
+
+    def client_factory(self, role: str, **kwargs) -> Callable[[], Any]:
+        """A no-argument factory of `InferenceClient`s of the `role` server (rank 0, once started):
+        clients belong to the event loop that makes them, so the caller makes its own."""
+        if role not in self.endpoints:
+            raise RuntimeError(f"InferenceRuntime: no {role} server is running (started: {sorted(self.endpoints)})")
+        endpoint = self.endpoints[role]
+        return lambda: endpoint.client(**kwargs)
+
+    def on_sync(self, listener: Callable[[int], None]) -> None:
+        """`listener(version)` after each sync, once the policy's server serves that version."""
+        self._listeners.append(listener)
+
+    def before_stop(self, callback: Callable[[], None]) -> None:
+        """`callback()` before the servers stop (e.g. close rollouts, so no request is left in flight)."""
+        self._before_stop.append(callback)
+
+    # ---- start ----------------------------------------------------------------------------------
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        problems = self.option_problems()
+        if problems:
+            raise ValueError("inference: " + "; ".join(problems))
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if not (self.serves_policy or self.serves_teacher):
+            if self.has_teacher or self.base_url or self.server:
+                rank_zero_warn("inference: server options are set, but nothing in this run samples from a model "
+                               "(a RolloutDataModule does); no server is started")
+            return
+        step = trainer.global_step
+        weights = self._export(trainer, pl_module, step) if self.serves_policy else None
+        if trainer.is_global_zero:
+            started = time.perf_counter()
+            with stopping.stops_on_request(trainer, "starting the inference servers"):
+                try:
+                    self._start_servers(trainer, weights, step)
+                except StartInterrupted:
+                    raise stopping.stop(trainer, "stopped while an inference server was starting") from None
+            what = f"the weights of step {step}" if self.serves_policy else "the teacher"
+            rank_zero_info(f"InferenceRuntime: serving {what} ({time.perf_counter() - started:.0f} s to start)")
+        trainer.strategy.barrier("inference_start")
+
+    def _start_servers(self, trainer, weights: Path | None, step: int) -> None:
+        from lit_rl.model_names import load_tokenizer
+        from lit_rl.rollouts.teacher import tokenizer_mismatch
+
+        root = Path(trainer.default_root_dir).resolve()
+        interrupt = lambda: stopping.requested(trainer)  # noqa: E731
+        tokenizer = None
+        if self.serves_teacher:  # before any server starts: a teacher must read the policy's ids as it does
+            tokenizer = load_tokenizer(self.tokenizer_name, trust_remote_code=self.trust_remote_code)
+            if self.teacher_model:
+                self._check_teacher(tokenizer_mismatch(tokenizer, load_tokenizer(
+                    self.teacher_model, trust_remote_code=self.trust_remote_code)))
+        if self.serves_policy:
+            options = {}
+            if self.base_url is None:
+                options = {"log_path": root / "vllm.log", "stop_on_sigterm": False, **self.server}
+                self._lease = lease(weights, "server")  # retention keeps the directory it was started on
+                self._lease.__enter__()
+                rank_zero_info(f"InferenceRuntime: starting the policy's vLLM on {weights} (log: {options['log_path']})")
+            self.endpoints["policy"] = open_endpoint(base_url=self.base_url, model=weights, api_key=self.api_key,
+                                                     allowed_root=root, interrupt=interrupt, **options)
+            if self.base_url is not None:  # an existing server: make it serve exactly the weights being trained
+                self._reload(weights)
+            self.policy_version = step
+        if self.serves_teacher:
+            options = {}
+            if self.teacher_base_url is None:
+                options = {"log_path": root / "vllm_teacher.log", "dev_mode": False, "stop_on_sigterm": False,
+                           **self.teacher_server}
+                rank_zero_info(f"InferenceRuntime: starting the teacher's vLLM on {self.teacher_model} "
+                               f"(log: {options['log_path']})")
+            self.endpoints["teacher"] = open_endpoint(base_url=self.teacher_base_url, model=self.teacher_model,
+                                                      api_key=self.teacher_api_key, interrupt=interrupt, **options)
+            if not self.teacher_model:  # only the server knows what it serves
+                self._check_teacher(tokenizer_mismatch(tokenizer, asyncio.run(self._served_tokenizer("teacher"))))
+
+    def _check_teacher(self, problem: str | None) -> None:
+        if problem:
+            raise ValueError(f"InferenceRuntime: the teacher {self.teacher_model or self.teacher_base_url} {problem}")
+
+    async def _served_tokenizer(self, role: str):
+        async with self.endpoints[role].client() as client:
+            return await client.tokenizer()
+
+    # ---- weight sync ----------------------------------------------------------------------------
+    def _export(self, trainer, pl_module, step: int) -> Path:
+        """The current weights (of `step`) on disk for the policy's server. Collective."""
+        from lit_rl.callbacks.export import HFExport
+
+        if self._exporter is None:
+            found = [c for c in trainer.callbacks if isinstance(c, HFExport)]
+            self._exporter = found[0] if found else HFExport()  # the run's exporter owns every export
+        return self._exporter.sync_export(trainer, pl_module, step)
+
+    def _reload(self, weights: Path) -> int:
+        async def reload() -> int:
+            async with self.endpoints["policy"].client() as client:
+                return await asyncio.wait_for(client.reload_weights(weights), self.sync_timeout)
+
+        return asyncio.run(reload())
+
+    def push_weights(self, trainer, pl_module, step: int) -> None:
+        """Make the policy's server serve the current weights of `step`. The filesystem path:
+        export (collective), then reload on rank 0. A GPU subclass may push tensors instead."""
+        weights = self._export(trainer, pl_module, step)
+        if trainer.is_global_zero:
+            self._reload(weights)
+
+    def sync(self, trainer, pl_module, step: int) -> None:
+        """After optimizer step `step`: the policy's server serves its weights, and the listeners
+        hear of version `step`. Collective."""
+        with stopping.stops_on_request(trainer, f"the weight sync of step {step}"):
+            self.push_weights(trainer, pl_module, step)
+        trainer.strategy.barrier("weight_sync")
+        self.policy_version = step
+        if trainer.is_global_zero:
+            for listener in self._listeners:
+                listener(step)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not self.serves_policy:
+            return
+        step = trainer.global_step
+        last = trainer.max_steps > 0 and step >= trainer.max_steps
+        self.last_sync_s = 0.0
+        if not (last or stopping.requested(trainer)):  # else no rollout will be drawn from these weights
+            started = time.perf_counter()
+            self.sync(trainer, pl_module, step)
+            self.last_sync_s = time.perf_counter() - started
+        pl_module.log("train/weight_sync_s", self.last_sync_s, on_step=True, on_epoch=False, batch_size=1)
+
+    # ---- the evaluator --------------------------------------------------------------------------
+    def start_evaluator(self, command: list[str], *, env: dict[str, str], log_path: Path,
+                        cpus: list[int] | None = None) -> subprocess.Popen:
+        """Start the evaluator process (rank 0); it stops with the run, after its checkpoint."""
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log_file:
+            self.evaluator = subprocess.Popen(dies_with_parent(command, cpus), stdout=log_file,
+                                              stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return self.evaluator
+
+    def finish_evaluator(self, timeout: float) -> int | None:
+        """Wait up to `timeout` s for the evaluator to finish its last eval; its exit code, or
+        None if it had to be stopped."""
+        proc = self.evaluator
+        if proc is None:
+            return None
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        finally:
+            self._stop_evaluator()
+
+    def _stop_evaluator(self) -> None:
+        proc, self.evaluator = self.evaluator, None
+        if proc is not None and proc.poll() is None:
+            rank_zero_info(f"InferenceRuntime: stopping the evaluator (pid {proc.pid})")
+            stop_process_group(proc, grace=20.0)  # SIGTERM: it stops its own server first
+
+    # ---- stop -----------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop everything this run serves from (idempotent): the listeners' rollouts first, then
+        the evaluator and the servers together."""
+        callbacks, self._before_stop, self._listeners = self._before_stop, [], []
+        for callback in callbacks:
+            callback()
+        endpoints, self.endpoints = list(self.endpoints.values()), {}
+        if endpoints or self.evaluator is not None:
+            if any(e.server is not None for e in endpoints):
+                rank_zero_info("InferenceRuntime: stopping the inference servers")
+            with ThreadPoolExecutor(max_workers=len(endpoints) + 1) as pool:
+                list(pool.map(lambda stop: stop(), [self._stop_evaluator, *(e.stop for e in endpoints)]))
+        if self._lease is not None:
+            self._lease.__exit__(None, None, None)
+            self._lease = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.stop()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        stopping.save_before_stopping(trainer, exception)
+        self.stop()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self.stop()

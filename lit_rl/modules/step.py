@@ -1,0 +1,200 @@
+"""TrainingStep: one optimizer step per batch, in named parts (mixed into `CausalLMModule`).
+
+A batch from a lit-rl data module is one whole optimizer step, already split into
+micro-batches, so the step can count what its loss is divided by before any backward:
+
+    counts = _step_counts(micro_batches)      # one collective: normalisers and tokens, by part
+    sums = _backward(micro_batches, counts)   # each part's loss over its own count, backward
+    grad_norm, lr = _optimizer_step()         # clip, step, free the gradients, schedule
+    _log_step(...)                            # one collective for every logged sum
+
+The loss and gradient then do not depend on the micro-batch split, the gradient-accumulation
+count or the number of ranks. The module supplies `micro_batch_loss_sum`, `loss_normaliser`
+and `target_cross_entropy_sum` (lit_rl/modules/base.py).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+
+
+def trained_tokens(micro_batch: dict[str, torch.Tensor]) -> float:
+    """Tokens whose prediction is trained (the first token of a row is predicted from nothing)."""
+    return float(micro_batch["loss_mask"][:, 1:].sum())
+
+
+class TrainingStep:
+    # ---- the loss parts of a step: one per source ------------------------------------------------
+    # A step's samples may come from several sources (the rollouts, replayed dataset rows; see
+    # lit_rl/data/mixing.py). The rule, decided here once: every source is its own loss part, divided
+    # by its own count over the whole step and all ranks (its `loss_normaliser`: tokens, or sequences
+    # for GRPO's grpo/gspo; trained tokens for rows that feed the cross-entropy), and the step's loss
+    # is the sum of the parts. A step from one source has one part, named "".
+    @staticmethod
+    def _part(micro_batch: dict) -> str:
+        return micro_batch.get("part", "")
+
+    def _feeds_cross_entropy(self, micro_batch: dict) -> bool:
+        """A micro-batch of static or teacher rows in a run whose own loss is another (replay rows
+        in GRPO or OPD, `lit_rl.data.mixing`): it gets the cross-entropy, not the algorithm's loss."""
+        return micro_batch.get("loss") == "cross_entropy" and self.loss_kind != "cross_entropy"
+
+    def _part_loss_sum(self, micro_batch: dict):
+        if self._feeds_cross_entropy(micro_batch):
+            return self.target_cross_entropy_sum(micro_batch)
+        return self.micro_batch_loss_sum(micro_batch)
+
+    def _part_normaliser(self, micro_batch: dict) -> float:
+        if self._feeds_cross_entropy(micro_batch):
+            return trained_tokens(micro_batch)
+        return self.loss_normaliser(micro_batch)
+
+    def _empty_micro_batch(self) -> dict[str, torch.Tensor]:
+        """Stands in when every row of this rank's step was skipped, so gradient sync still lines up."""
+        ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
+        zeros = torch.zeros((1, 2), device=self.device)
+        return {"input_ids": ids, "position_ids": torch.arange(2, device=self.device)[None], "loss_mask": ids.bool(),
+                "sequence_ids": ids - 1, "logprobs": zeros, "advantages": zeros, "teacher_logprobs": zeros}
+
+    def _step_micro_batches(self, batch: dict) -> list[dict]:
+        """The step's micro-batches on this rank; an empty one stands in for each source of a mixed
+        step that gave this rank nothing (or for a step with no rows), so that every rank takes
+        part in the same collectives and logs the same metric names."""
+        micro_batches = list(batch["micro_batches"])
+        present = {mb.get("part") for mb in micro_batches}
+        for name, loss in batch.get("parts") or []:
+            if name not in present:
+                micro_batches.append({**self._empty_micro_batch(), "part": name, "loss": loss})
+        return micro_batches or [self._empty_micro_batch()]
+
+    # ---- one optimizer step per batch: counts, backward, optimizer, logging ---------------------
+    def _sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """Collective under multi-process strategies: every rank must call it."""
+        return self.trainer.strategy.reduce(value, reduce_op="sum")
+
+    def _sum_named_over_ranks(self, values: dict[str, torch.Tensor | float]) -> dict[str, torch.Tensor]:
+        """Named numbers (the same names on every rank) summed over ranks in one collective."""
+        names = sorted(values)
+        stacked = torch.stack([torch.as_tensor(values[n], dtype=torch.float32, device=self.device) for n in names])
+        return dict(zip(names, self._sum_over_ranks(stacked)))
+
+    def _step_counts(self, micro_batches: list[dict]) -> dict[str, torch.Tensor]:
+        """Counted before any backward, over all micro-batches and ranks (one collective):
+        ``targets`` (the step's trained tokens), and per part its ``normaliser/<part>`` and its
+        trained ``tokens/<part>``."""
+        local: dict[str, float] = {"targets": 0.0}
+        for mb in micro_batches:
+            part, targets = self._part(mb), trained_tokens(mb)
+            local["targets"] += targets
+            local[f"normaliser/{part}"] = local.get(f"normaliser/{part}", 0.0) + self._part_normaliser(mb)
+            local[f"tokens/{part}"] = local.get(f"tokens/{part}", 0.0) + targets
+        return self._sum_named_over_ranks(local)
+
+    def _skip_grad_sync(self, skip: bool):
+        block = getattr(self.trainer.strategy, "block_backward_sync", None)
+        return block() if skip and block is not None else nullcontext()
+
+    @staticmethod
+    def _split_loss_output(out) -> tuple[torch.Tensor, dict]:
+        return out if isinstance(out, tuple) else (out, {})
+
+    def _backward(self, micro_batches: list[dict], counts: dict[str, torch.Tensor], mixed: bool) -> dict:
+        """Forward and backward of every micro-batch, each part's loss divided by its own count.
+        Returns what the step logs, as ``{name: [sum, count]}`` on this rank: ``loss_sum/<part>``
+        and the module's metrics (per part too in a mixed step)."""
+        self.optimizers().zero_grad(set_to_none=True)
+        sums: dict[str, list] = {}
+
+        def add(name: str, value, count) -> None:
+            pair = sums.setdefault(name, [0.0, 0.0])
+            pair[0], pair[1] = pair[0] + torch.as_tensor(value).detach().float(), pair[1] + float(count)
+
+        for i, mb in enumerate(micro_batches):
+            part = self._part(mb)
+            with self._skip_grad_sync(i < len(micro_batches) - 1):
+                loss_sum, metrics = self._split_loss_output(self._part_loss_sum(mb))
+                # DDP/FSDP average gradients over ranks; multiplying by world_size turns that into a sum.
+                normaliser = counts[f"normaliser/{part}"].clamp(min=1.0)
+                self.manual_backward(loss_sum * (self.trainer.world_size / normaliser))
+            add(f"loss_sum/{part}", loss_sum, 0)
+            for name, (value, count) in metrics.items():
+                add(name, value, count)
+                if mixed:
+                    add(f"{part}/{name}", value, count)
+        return sums
+
+    def _clip_and_measure_grad_norm(self) -> torch.Tensor:
+        max_norm = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
+        wrapped = self.trainer.strategy.model
+        if hasattr(wrapped, "clip_grad_norm_"):  # FSDP1: the norm must be taken over the shards
+            return wrapped.clip_grad_norm_(max_norm)
+        # FSDP2: gradients are DTensor shards; the norm is taken over all of them (a collective)
+        norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def _optimizer_step(self) -> tuple[torch.Tensor, float]:
+        """Clip, step, free the gradients, advance the schedule; the gradient norm and the lr used."""
+        optimizer = self.optimizers()
+        grad_norm = self._clip_and_measure_grad_norm()
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        # Gradients are freed at once, not at the next step: validation, exports and checkpoints
+        # between steps then run without a second copy of the weights' size in memory.
+        optimizer.zero_grad(set_to_none=True)
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        return grad_norm, lr
+
+    def _log_step(self, batch: dict, counts: dict[str, torch.Tensor], sums: dict, grad_norm, lr: float,
+                  start: float, compute_start: float) -> torch.Tensor:
+        """Log the step (one collective for every sum; every rank logs the same names); its loss:
+        the sum over parts of each part's loss sum over its normaliser."""
+        totals = self._sum_named_over_ranks({name: torch.stack([torch.as_tensor(v, dtype=torch.float32)
+                                                               for v in pair]) for name, pair in sums.items()})
+        parts = sorted(name.removeprefix("loss_sum/") for name in totals if name.startswith("loss_sum/"))
+        part_loss = {p: totals[f"loss_sum/{p}"][0] / counts[f"normaliser/{p}"].clamp(min=1.0) for p in parts}
+        loss = sum(part_loss.values())
+        self._last_step_end = time.perf_counter()
+        metrics = {
+            "train/loss": loss,
+            "train/tokens": counts["targets"],
+            "train/tokens_per_s": counts["targets"] / max(self._last_step_end - start, 1e-9),
+            "train/lr": lr,
+            "train/grad_norm": grad_norm,
+            "train/peak_memory_gb": peak_memory_gb(self.device),
+            "train/compute_s": self._last_step_end - compute_start,  # forward, backward and optimizer
+        }
+        metrics.update({f"train/{name}": total[0] / total[1].clamp(min=1.0) for name, total in totals.items()
+                        if not name.startswith("loss_sum/")})
+        if batch.get("parts"):  # a mixed step: each source's own mean loss and trained tokens
+            metrics.update({f"train/{p}/loss": part_loss[p] for p in parts})
+            metrics.update({f"train/{p}/tokens": counts[f"tokens/{p}"] for p in parts})
+        metrics.update({f"train/{k}": v for k, v in batch.get("stats", {}).items()})
+        metrics.update(batch.get("metrics", {}))  # full names, e.g. rollout/... from a rollout data module
+        self.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, batch_size=1)
+        self.log("loss", loss, prog_bar=True, logger=False, batch_size=1)
+        return loss
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        start = self._last_step_end or time.perf_counter()
+        compute_start = time.perf_counter()
+        micro_batches = self._step_micro_batches(batch)
+        counts = self._step_counts(micro_batches)
+        sums = self._backward(micro_batches, counts, mixed=bool(batch.get("parts")))
+        grad_norm, lr = self._optimizer_step()
+        return self._log_step(batch, counts, sums, grad_norm, lr, start, compute_start)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory so far, in GB (1e9 bytes): the CUDA allocator's maximum on a GPU, this
+    process's peak resident set on CPU (what the OS had to give it, libraries included)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 1e9 if sys.platform == "darwin" else peak * 1024 / 1e9  # bytes on macOS, KiB on Linux
