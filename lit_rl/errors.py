@@ -9,7 +9,8 @@ user errors too.
 What counts as a user error is deliberately narrow:
 - `UserError`, raised by lit-rl code that knows the user can fix the problem (e.g. a model
   or tokenizer name that cannot be loaded: lit_rl/model_names.py);
-- the one ValueError in which StaticDataModule collects every problem of its config;
+- the ValueError in which a data module (StaticDataModule, RolloutDataModule) collects every
+  problem of its config;
 - an `OSError` raised inside transformers / huggingface_hub (a model or tokenizer loaded by
   code that does not go through lit_rl/model_names.py, say a user's own environment);
 - `ValueError`s raised while the config's classes are built (their `__init__` checks
@@ -59,7 +60,7 @@ def user_message(exc: BaseException) -> str | None:
     """The one message to print for a user error, or None when `exc` is not one (a bug)."""
     if isinstance(exc, UserError):
         return str(exc)
-    if type(exc) is ValueError and str(exc).startswith("StaticDataModule: "):
+    if type(exc) is ValueError and str(exc).startswith(("StaticDataModule: ", "RolloutDataModule: ")):
         return str(exc)
     if isinstance(exc, OSError) and _raised_in(exc, ("transformers", "huggingface_hub")):
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

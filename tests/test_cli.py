@@ -1,6 +1,7 @@
 """The `lit-rl` entry point. Runs that train or validate go through the real entry point, as users
 run it (a subprocess); commands that only parse, print or reject a config call `lit_rl.cli.main`
-in this process (`lit_rl_main`): the same code without a fresh interpreter's ~9 s of imports."""
+in this process (`lit_rl_main`, tests/conftest.py): the same code without a fresh interpreter's ~9 s
+of imports."""
 
 import csv
 import json
@@ -21,29 +22,6 @@ CONFIG = str(REPO / "examples" / "reverse_text" / "sft.yaml")
 def run(args, env=None, timeout=600):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     return subprocess.run(LIT_RL + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.fixture
-def lit_rl_main(monkeypatch, capsys):
-    """`lit-rl ARGS` in this process, returning (exit code, stdout, stderr) like `run`: the same working
-    directory and HF_HUB_OFFLINE, sys.argv without pytest's arguments. Set other environment
-    variables with monkeypatch.setenv (`default_env` reads them at parse time)."""
-    monkeypatch.setattr(sys, "argv", ["lit-rl"])
-    monkeypatch.chdir(REPO)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-    def call(args):
-        from lit_rl import cli  # here, so that the modules importing `run` from this file stay light
-
-        try:
-            cli.main(args)
-            code = 0
-        except SystemExit as e:
-            code = e.code or 0
-        out = capsys.readouterr()
-        return code, out.out, out.err
-
-    return call
 
 
 def fit_args(tmp_path, data, steps=3):

@@ -33,15 +33,18 @@ def user_error(args, capsys) -> str:
     return err
 
 
-def test_missing_data_file_as_the_user_sees_it(tmp_path):
+def test_missing_data_file_as_the_user_sees_it(tmp_path, monkeypatch):
     args = fit_args(tmp_path, str(tmp_path / "no_such_file.jsonl"))
     out = run(args)
     assert out.returncode == 1, out.stderr[-3000:]
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
     assert "lit-rl fit: error: StaticDataModule: 1 problem(s)" in out.stderr
     assert "no such file " in out.stderr and "no_such_file.jsonl" in out.stderr
-    debug = run(args, env={"LIT_RL_DEBUG": "1"})
-    assert debug.returncode == 1 and "Traceback" in debug.stderr and "no_such_file.jsonl" in debug.stderr
+    # LIT_RL_DEBUG=1: the error is not caught, so the interpreter prints its traceback (the same code in-process)
+    monkeypatch.setenv("LIT_RL_DEBUG", "1")
+    monkeypatch.setattr(sys, "argv", ["lit-rl"])
+    with pytest.raises(ValueError, match="no_such_file.jsonl"):
+        cli.main(args)
 
 
 def test_missing_column(tmp_path, capsys):

@@ -26,7 +26,8 @@ from safetensors.torch import load_file
 from helpers import REPO, reverse_rows, write_jsonl
 from test_cli import CONFIG, run
 
-pytestmark = pytest.mark.slow
+# One worker for the file: the `runs` fixture (two trainings) is shared by its tests.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fsdp")]
 FSDP2 = str(REPO / "configs" / "strategies" / "fsdp2.yaml")
 # measured: the largest weight difference after 2 steps was 1.2e-7 (float32 sums in another order)
 ATOL = 1e-6

@@ -21,14 +21,13 @@ def replay(*sources: dict) -> list[str]:
     return ["--data.init_args.replay", json.dumps(list(sources))]
 
 
-def test_every_replay_problem_is_reported_at_once_before_any_server(data, tmp_path):
+def test_every_replay_problem_is_reported_at_once_before_any_server(data, tmp_path, lit_rl_main):
     root = tmp_path / "run"
-    out = run(grpo_args(root, data, "lit-rl:tiny_qwen3", 2, "--model.init_args.random_init", "true",
-                        *replay({"path": data, "group_size": 16},
-                                {"path": str(tmp_path / "missing.jsonl")},
-                                {"path": data, "name": "policy", "weight": 0})))
-    assert out.returncode != 0
-    err = out.stderr
+    code, _, err = lit_rl_main(grpo_args(root, data, "lit-rl:tiny_qwen3", 2, "--model.init_args.random_init", "true",
+                                         *replay({"path": data, "group_size": 16},
+                                                 {"path": str(tmp_path / "missing.jsonl")},
+                                                 {"path": data, "name": "policy", "weight": 0})))
+    assert code != 0
     assert "data.replay[0].group_size is 16" in err, err[-3000:]
     assert "data.replay[1].name 'replay' is already the name of another source" in err
     assert "data.replay[1] (" in err and "no such file" in err  # names the source and the file

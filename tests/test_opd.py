@@ -12,7 +12,6 @@ import asyncio
 
 import pytest
 from helpers import REPO, TINY_MODEL, reverse_rows, write_jsonl
-from test_cli import run
 from test_rollout_buffer import FAST, LOGPROB_TOL, TOK, collect, hf_logprobs
 from transformers import AutoTokenizer
 
@@ -67,15 +66,15 @@ def opd_args(root, data, model, steps, *extra):
             "--trainer.default_root_dir", str(root), "--trainer.max_steps", str(steps), *extra]
 
 
-def test_opd_without_a_teacher_or_with_another_tokenizer_is_refused_before_any_server(data, tmp_path):
-    out = run(opd_args(tmp_path / "a", data, TINY_MODEL, 2, "--model.init_args.random_init", "true",
-                       "--inference.teacher_model", "null", "--inference.teacher_server", "{}"))
-    assert out.returncode == 1 and "OPD needs a teacher" in out.stderr, out.stderr[-3000:]
+def test_opd_without_a_teacher_or_with_another_tokenizer_is_refused_before_any_server(data, tmp_path, lit_rl_main):
+    code, _, stderr = lit_rl_main(opd_args(tmp_path / "a", data, TINY_MODEL, 2, "--model.init_args.random_init", "true",
+                                           "--inference.teacher_model", "null", "--inference.teacher_server", "{}"))
+    assert code == 1 and "OPD needs a teacher" in stderr, stderr[-3000:]
     other = tmp_path / "other_tokenizer"
     tok = AutoTokenizer.from_pretrained(TINY_MODEL)
     tok.add_tokens(["<teacher_only>"])
     tok.save_pretrained(other)
-    out = run(opd_args(tmp_path / "b", data, TINY_MODEL, 2, "--model.init_args.random_init", "true",
-                       "--inference.teacher_model", str(other)))
-    assert out.returncode == 1 and "another vocabulary" in out.stderr, out.stderr[-3000:]
+    code, _, stderr = lit_rl_main(opd_args(tmp_path / "b", data, TINY_MODEL, 2, "--model.init_args.random_init", "true",
+                                           "--inference.teacher_model", str(other)))
+    assert code == 1 and "another vocabulary" in stderr, stderr[-3000:]
     assert not (tmp_path / "b" / "vllm_teacher.log").exists() and not (tmp_path / "b" / "vllm.log").exists()

@@ -17,7 +17,8 @@ from lit_rl.run_dir import stable_steps, unfinished
 from helpers import REPO, TINY_MODEL, reverse_rows, write_jsonl
 from test_cli import CONFIG, run
 
-pytestmark = pytest.mark.slow
+# One worker for the file: its module fixture's runs are shared by its tests.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("resume")]
 
 
 def fit(root, data, steps, *extra, **popen):

@@ -493,10 +493,10 @@ def test_a_killed_server_reaches_the_request_the_buffer_and_the_teacher_in_bound
 
         async def crash_mid_request():
             async with server.client(max_retries=2) as client:
-                request = asyncio.create_task(client.generate([1, 2, 3], max_tokens=1000, ignore_eos=True))
-                await asyncio.sleep(1.0)
-                await asyncio.to_thread(drain, sampler)
+                await asyncio.to_thread(drain, sampler)  # first: draining can take longer than the request
                 await asyncio.to_thread(drain, distiller)
+                request = asyncio.create_task(client.generate([1, 2, 3], max_tokens=1000, ignore_eos=True))
+                await asyncio.sleep(0.5)
                 assert not request.done()
                 os.killpg(pgid, signal.SIGKILL)  # a crash: no graceful shutdown
                 killed_at = time.monotonic()

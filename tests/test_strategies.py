@@ -11,7 +11,7 @@ from jsonargparse import Namespace
 from helpers import REPO, reverse_rows, write_jsonl
 from lit_rl.cli import auto_devices_without_gpu
 from lit_rl.sharding import DecoderLayerPolicy, decoder_layer_classes
-from test_cli import CONFIG, run
+from test_cli import CONFIG
 
 STRATEGIES = REPO / "configs" / "strategies"
 
@@ -21,10 +21,11 @@ STRATEGIES = REPO / "configs" / "strategies"
     ("fsdp2", "lightning.pytorch.strategies.ModelParallelStrategy"),
     ("fsdp1", "lightning.pytorch.strategies.FSDPStrategy"),
 ])
-def test_strategy_configs_compose_with_an_algorithm_config(name, strategy):
-    out = run(["fit", "--config", CONFIG, "--config", str(STRATEGIES / f"{name}.yaml"), "--print_config"])
-    assert out.returncode == 0, out.stderr[-3000:]
-    config = yaml.safe_load(out.stdout)
+def test_strategy_configs_compose_with_an_algorithm_config(name, strategy, lit_rl_main):
+    code, stdout, stderr = lit_rl_main(["fit", "--config", CONFIG, "--config", str(STRATEGIES / f"{name}.yaml"),
+                                        "--print_config"])
+    assert code == 0, stderr[-3000:]
+    config = yaml.safe_load(stdout)
     given = config["trainer"]["strategy"]
     assert (given if isinstance(given, str) else given["class_path"]) == strategy
     assert config["trainer"]["devices"] == "auto" and config["trainer"]["accelerator"] == "auto"
@@ -32,12 +33,13 @@ def test_strategy_configs_compose_with_an_algorithm_config(name, strategy):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
-def test_fsdp1_is_refused_on_cpu_with_a_clear_message(tmp_path):
+def test_fsdp1_is_refused_on_cpu_with_a_clear_message(tmp_path, lit_rl_main):
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
-    out = run(["fit", "--config", CONFIG, "--config", str(STRATEGIES / "fsdp1.yaml"), "--data.init_args.path", data,
-               "--data.init_args.val_path", "", "--trainer.default_root_dir", str(tmp_path / "run")])
-    assert out.returncode == 1
-    assert "requires a GPU accelerator" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+    code, _, stderr = lit_rl_main(["fit", "--config", CONFIG, "--config", str(STRATEGIES / "fsdp1.yaml"),
+                                   "--data.init_args.path", data, "--data.init_args.val_path", "",
+                                   "--trainer.default_root_dir", str(tmp_path / "run")])
+    assert code == 1
+    assert "requires a GPU accelerator" in stderr and "Traceback" not in stderr, stderr[-2000:]
 
 
 def test_decoder_layers_come_from_the_model(tiny_model):

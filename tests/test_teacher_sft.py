@@ -11,7 +11,6 @@ import asyncio
 
 import pytest
 from helpers import REPO, TINY_MODEL, reverse_rows, write_jsonl
-from test_cli import run
 from test_rollout_buffer import FAST, LOGPROB_TOL, TOK, collect, hf_logprobs
 
 from lit_rl.rollouts.buffer import RolloutBuffer
@@ -95,17 +94,19 @@ def sft_args(root, data, *extra):
             "--trainer.default_root_dir", str(root), *extra]
 
 
-def test_every_source_problem_is_reported_at_once_before_any_server(data, tmp_path):
+def test_every_source_problem_is_reported_at_once_before_any_server(data, tmp_path, lit_rl_main):
     # GRPO (a policy-gradient loss) from a teacher source with no teacher, and the policy's server options still set
-    out = run(["fit", "--config", GRPO_CONFIG, "--model.init_args.model", TINY_MODEL, "--model.init_args.random_init",
-               "true", "--data.init_args.env.init_args.path", data, "--data.init_args.source", "teacher",
-               "--trainer.default_root_dir", str(tmp_path / "a"), "--trainer.max_steps", "2"])
-    assert out.returncode == 1, out.stderr[-3000:]
+    code, _, stderr = lit_rl_main(["fit", "--config", GRPO_CONFIG, "--model.init_args.model", TINY_MODEL,
+                                   "--model.init_args.random_init", "true", "--data.init_args.env.init_args.path", data,
+                                   "--data.init_args.source", "teacher", "--trainer.default_root_dir",
+                                   str(tmp_path / "a"), "--trainer.max_steps", "2"])
+    assert code == 1, stderr[-3000:]
     for words in ("needs a model to sample from: set inference.teacher_model", "inference.server are the policy's server",
                   "can only feed a cross-entropy loss", "3 problem(s)"):
-        assert words in out.stderr, (words, out.stderr[-3000:])
+        assert words in stderr, (words, stderr[-3000:])
     # SFT on the policy's own samples
-    out = run(sft_args(tmp_path / "b", data, "--data.init_args.source", "policy", "--inference.teacher_model", "null",
-                       "--inference.teacher_server", "{}", "--trainer.max_steps", "2"))
-    assert out.returncode == 1 and "SFT may not train on the policy's own samples" in out.stderr, out.stderr[-3000:]
+    code, _, stderr = lit_rl_main(sft_args(tmp_path / "b", data, "--data.init_args.source", "policy",
+                                           "--inference.teacher_model", "null", "--inference.teacher_server", "{}",
+                                           "--trainer.max_steps", "2"))
+    assert code == 1 and "SFT may not train on the policy's own samples" in stderr, stderr[-3000:]
     assert not list(tmp_path.glob("*/vllm*.log"))  # refused before any server started

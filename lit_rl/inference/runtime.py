@@ -45,6 +45,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_rl import stopping
+from lit_rl.errors import ConfigError
 from lit_rl.child_process import dies_with_parent, stop_process_group
 from lit_rl.inference.endpoint import Endpoint, open_endpoint
 from lit_rl.inference.server import StartInterrupted
@@ -217,7 +218,7 @@ class InferenceRuntime(L.Callback):
 
     def _check_teacher(self, problem: str | None) -> None:
         if problem:
-            raise ValueError(f"InferenceRuntime: the teacher {self.teacher_model or self.teacher_base_url} {problem}")
+            raise ConfigError(f"InferenceRuntime: the teacher {self.teacher_model or self.teacher_base_url} {problem}")
 
     async def _served_tokenizer(self, role: str):
         async with self.endpoints[role].client() as client:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from lit_rl.errors import ConfigError
 from lit_rl.losses import OPD_METRICS, check_behaviour_options, opd_loss_sums
 from lit_rl.modules.base import CausalLMModule
 
@@ -61,7 +62,7 @@ class OPD(CausalLMModule):
     def setup(self, stage: str) -> None:
         data = getattr(self.trainer, "datamodule", None)
         if stage == "fit" and not getattr(data, "has_teacher", False):  # its samples carry the teacher's scores
-            raise ValueError(
+            raise ConfigError(
                 "OPD needs a teacher to score the student's samples: set inference.teacher_model (lit-rl starts a "
                 "vLLM server for it) or inference.teacher_base_url (an existing server), with a RolloutDataModule"
             )
