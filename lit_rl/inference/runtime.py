@@ -179,6 +179,8 @@ class InferenceRuntime(L.Callback):
             what = f"the weights of step {step}" if self.serves_policy else "the teacher"
             rank_zero_info(f"InferenceRuntime: serving {what} ({time.perf_counter() - started:.0f} s to start)")
         trainer.strategy.barrier("inference_start")
+        if self.serves_policy:
+            self.policy_version = step
 
     def _start_servers(self, trainer, weights: Path | None, step: int) -> None:
         from lit_rl.model_names import load_tokenizer
@@ -203,7 +205,6 @@ class InferenceRuntime(L.Callback):
                                                      allowed_root=root, interrupt=interrupt, **options)
             if self.base_url is not None:  # an existing server: make it serve exactly the weights being trained
                 self._reload(weights)
-            self.policy_version = step
         if self.serves_teacher:
             options = {}
             if self.teacher_base_url is None:
