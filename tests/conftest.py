@@ -7,6 +7,7 @@ import sys
 
 import pytest
 from helpers import REPO, TINY_MODEL
+from xdist.scheduler import LoadScopeScheduling
 
 # The suite runs in two pytest-xdist workers (pyproject.toml). vLLM's CPU build binds its engine
 # thread to core 0 unless told otherwise, so both workers' servers (the session server and those
@@ -15,6 +16,29 @@ from helpers import REPO, TINY_MODEL
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _WORKER.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(int(_WORKER[2:]) % (os.cpu_count() or 1))
+
+# Files whose tests share a costly module fixture (a trained run, a sharded checkpoint) or run in
+# order, each using what the one before wrote: all of a file's tests go to one worker.
+ONE_WORKER_FILES = frozenset({"tests/test_docs_commands.py", "tests/test_fsdp.py", "tests/test_resume.py"})
+
+
+class OneWorkerFiles(LoadScopeScheduling):
+    """Each test is its own unit of work, except that a file in ONE_WORKER_FILES is one unit.
+
+    Why not pytest-xdist's own `--dist loadgroup` with `xdist_group` marks: on pytest 9.2 it groups
+    nothing, silently (it renames `item._nodeid`, which pytest 9.2 no longer reads: pytest-xdist
+    issue 1386), and the docs commands then ran on two workers, each missing what the other wrote.
+    Scheduling by file path does not depend on renaming tests. The largest units are handed out
+    first (xdist's `--loadscope-reorder`, on by default), so a one-worker file does not start last.
+    """
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = nodeid.split("::", 1)[0]
+        return path if path in ONE_WORKER_FILES else nodeid
+
+
+def pytest_xdist_make_scheduler(config, log):
+    return OneWorkerFiles(config, log)
 
 
 @pytest.fixture

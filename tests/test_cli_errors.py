@@ -7,6 +7,7 @@ others call `lit_rl.cli.main` in this process, which is the same code minus the 
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 
@@ -131,3 +132,15 @@ def test_preview_option_that_is_not_accepted(capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and "unrecognized arguments: --bogus" in err and "dotted" in err
     assert len(err.splitlines()) <= 3 and "Traceback" not in err, err
+
+
+def test_evaluate_on_a_run_without_checkpoints_fails_at_once(tmp_path):
+    """A finished run's evaluator has nothing to wait for: an empty weights/ is an error, not an
+    hour's silent wait (it waits only with --follow, for a run still training)."""
+    (tmp_path / "weights").mkdir()
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as e:
+        cli.main(["evaluate", "--weights-dir", str(tmp_path / "weights"), "--env", "lit_rl.rollouts.ReverseTextEnv"])
+    assert time.monotonic() - started < 30
+    assert f"no STABLE checkpoint under {tmp_path / 'weights'}" in str(e.value.code)
+    assert "give --follow" in str(e.value.code)

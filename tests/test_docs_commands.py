@@ -27,8 +27,8 @@ import pytest
 
 from helpers import REPO
 
-# One worker for the file: the commands run in order, each using what the earlier ones wrote.
-pytestmark = pytest.mark.xdist_group("docs_commands")
+# The commands run in order, each using what the earlier ones wrote: one worker runs the whole
+# file (conftest.ONE_WORKER_FILES).
 DOCS = ("docs/cli.md", "README.md")
 NEEDS = re.compile(r"#\s*(needs (?:internet|a GPU).*)$")
 UNTIL_CTRL_C = "# runs until Ctrl-C"

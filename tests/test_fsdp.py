@@ -27,7 +27,7 @@ from helpers import REPO, reverse_rows, write_jsonl
 from test_cli import CONFIG, run
 
 # One worker for the file: the `runs` fixture (two trainings) is shared by its tests.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fsdp")]
+pytestmark = pytest.mark.slow  # one worker runs the file: conftest.ONE_WORKER_FILES
 FSDP2 = str(REPO / "configs" / "strategies" / "fsdp2.yaml")
 # measured: the largest weight difference after 2 steps was 1.2e-7 (float32 sums in another order)
 ATOL = 1e-6

@@ -18,7 +18,7 @@ from helpers import REPO, TINY_MODEL, reverse_rows, write_jsonl
 from test_cli import CONFIG, run
 
 # One worker for the file: its module fixture's runs are shared by its tests.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("resume")]
+pytestmark = pytest.mark.slow  # one worker runs the file: conftest.ONE_WORKER_FILES
 
 
 def fit(root, data, steps, *extra, **popen):

@@ -43,7 +43,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--wandb", default=None, help="JSON of wandb.init arguments to join the trainer's run")
     p.add_argument("--follow", action="store_true", help="keep watching until the trainer's final step is evaluated")
     p.add_argument("--parent-pid", type=int, default=None, help="stop when this process is gone")
-    p.add_argument("--start-timeout", type=float, default=3600.0, help="seconds to wait for the first checkpoint")
+    p.add_argument("--start-timeout", type=float, default=3600.0,
+                   help="with --follow: seconds to wait for the first checkpoint (without it, none waits)")
     return p.parse_args(argv)
 
 
@@ -57,13 +58,19 @@ def load_plan(args: argparse.Namespace, root: Path) -> EvalPlan:
     return EvalPlan.load(path)
 
 
-def first_checkpoint(root: Path, timeout: float, parent_pid: int | None) -> Path:
-    """The evaluator's server starts on a real checkpoint of this run (step 0 when it exists)."""
-    deadline = time.time() + timeout
+def first_checkpoint(root: Path, timeout: float | None, parent_pid: int | None) -> Path:
+    """The evaluator's server starts on a real checkpoint of this run (step 0 when it exists).
+
+    `timeout` None: the run is finished (no --follow), so an empty weights/ is an error now, not
+    an hour's silent wait for checkpoints nobody is writing."""
+    deadline = time.time() + (timeout or 0.0)
     while True:
         steps = stable_steps(root)
         if steps:
             return steps[min(steps)]
+        if timeout is None:
+            raise SystemExit(f"lit-rl evaluate: no STABLE checkpoint under {root / 'weights'}; "
+                             "give --follow to wait for a run that is still training")
         if time.time() > deadline:
             raise SystemExit(f"lit-rl evaluate: no STABLE checkpoint appeared under {root / 'weights'} in {timeout:.0f} s")
         if parent_pid is not None and not Evaluator.pid_alive(parent_pid):
@@ -92,7 +99,7 @@ async def run(args: argparse.Namespace) -> None:
     server_kwargs = with_gpu_split(json.loads(args.server))
     model = None
     if not args.base_url:
-        model = first_checkpoint(root, args.start_timeout, args.parent_pid)
+        model = first_checkpoint(root, args.start_timeout if args.follow else None, args.parent_pid)
         server_kwargs.setdefault("log_path", str(evals_dir(root) / "vllm.log"))
     api_key = os.environ.get(args.api_key_env) if args.api_key_env else None  # never on the process list
     with open_endpoint(base_url=args.base_url, model=model, api_key=api_key, allowed_root=root,
