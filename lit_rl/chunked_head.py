@@ -184,3 +184,51 @@ def selected_cross_entropy_sum(
     enabled = torch.is_grad_enabled()
     need = tuple(enabled and t is not None and t.requires_grad for t in (hidden, weight, bias))
     return _SelectedCrossEntropySum.apply(hidden, weight, bias, targets, chunk_size, need)
+
+
+def _chunk_divergence(student_h, student_w, student_b, teacher_h, teacher_w, teacher_b, beta):
+    """Divergence sum of one chunk of positions; recomputed in backward (`selected_divergence_sum`)."""
+    from lit_rl.losses import token_divergence
+
+    student = torch.log_softmax(_chunk_logits(student_h, student_w, student_b), dim=-1)  # [C, V]
+    with torch.no_grad():
+        teacher = torch.log_softmax(_chunk_logits(teacher_h, teacher_w, teacher_b), dim=-1)  # [C, V]
+    return token_divergence(student, teacher, beta).sum()  # []
+
+
+def selected_divergence_sum(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    *,
+    beta: float,
+    student_bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """Sum over positions of `lit_rl.losses.token_divergence` between the student's and the
+    teacher's next-token distributions, each model's head applied to its own hidden states.
+
+    student_hidden [N, Hs], student_weight [V, Hs]; teacher_hidden [N, Ht], teacher_weight [V, Ht]
+    (the widths may differ, the vocabulary may not); biases [V] or None. Differentiable in the
+    student's tensors only. Returns a float32 scalar. Each chunk's forward is recomputed in
+    backward (activation checkpointing): at most one chunk's `[chunk_size, V]` logits, log-probs and
+    their gradients live at once, for the price of a second pass of both heads; the loss is the
+    reference definition itself, applied a chunk at a time.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    _check(student_hidden, student_weight, student_hidden.new_zeros(student_hidden.shape[0], dtype=torch.long), chunk_size)
+    if teacher_hidden.shape[0] != student_hidden.shape[0] or teacher_weight.shape[0] != student_weight.shape[0]:
+        raise ValueError(f"teacher and student must score the same positions over the same vocabulary; got hidden "
+                         f"{tuple(teacher_hidden.shape)} vs {tuple(student_hidden.shape)}, heads "
+                         f"{tuple(teacher_weight.shape)} vs {tuple(student_weight.shape)}")
+    teacher_hidden, teacher_weight = teacher_hidden.detach(), teacher_weight.detach()
+    teacher_bias = None if teacher_bias is None else teacher_bias.detach()
+    total = torch.zeros((), dtype=torch.float32, device=student_hidden.device)  # []
+    for a in range(0, student_hidden.shape[0], chunk_size):
+        b = min(a + chunk_size, student_hidden.shape[0])
+        total = total + checkpoint(_chunk_divergence, student_hidden[a:b], student_weight, student_bias,
+                                   teacher_hidden[a:b], teacher_weight, teacher_bias, beta, use_reentrant=False)
+    return total

@@ -297,3 +297,50 @@ def opd_loss(
                                    is_correction=is_correction, is_cap=is_cap)
     tokens = max(float(sums["tokens"]), 1.0)
     return loss_sum / tokens, {name: float(sums[name]) / tokens for name in OPD_METRICS}
+
+
+# ---- dense distillation: a divergence over the whole next-token distribution ------------------------------
+# What OPD's `divergence` option accepts: the sampled-token estimator above, or a divergence computed
+# exactly over the vocabulary from the student's and the teacher's logits (each a `beta` of `token_divergence`).
+DENSE_DIVERGENCES = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": None}  # None: the `beta` option
+DIVERGENCES = ("sampled_reverse_kl", *DENSE_DIVERGENCES)
+
+
+def check_divergence_options(divergence: str, beta: float) -> list[str]:
+    """Every problem with OPD's divergence options, for one error at start-up."""
+    problems = []
+    if divergence not in DIVERGENCES:
+        problems.append(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    if not 0.0 <= beta <= 1.0:
+        problems.append(f"beta must be in [0, 1], got {beta}")
+    return problems
+
+
+def divergence_beta(divergence: str, beta: float) -> float:
+    """The `token_divergence` beta a dense divergence name stands for (`jsd` takes `beta`)."""
+    fixed = DENSE_DIVERGENCES[divergence]
+    return beta if fixed is None else fixed
+
+
+def token_divergence(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, beta: float) -> torch.Tensor:
+    """The generalised Jensen-Shannon divergence of each position's next-token distributions, as in
+    TRL's DistillationTrainer (Agarwal et al. 2024, "On-Policy Distillation of Language Models").
+
+    student_logprobs, teacher_logprobs: [N, V], each row log-normalised. Returns [N], float32:
+    - beta 0: forward KL(teacher || student) = sum_v t_v (log t_v - log s_v);
+    - beta 1: reverse KL(student || teacher) = sum_v s_v (log s_v - log t_v);
+    - otherwise beta KL(teacher || m) + (1 - beta) KL(student || m), m = (1 - beta) s + beta t.
+    The endpoints are the KLs themselves, not the limit of the mixture form (which tends to 0 there).
+    Differentiable in the student's log-probabilities; the teacher's should come detached.
+    """
+    s, t = student_logprobs.float(), teacher_logprobs.float()  # [N, V]
+
+    def kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:  # KL(p || q) per row; log-softmax is finite
+        return (log_p.exp() * (log_p - log_q)).sum(-1)  # [N]
+
+    if beta == 0.0:
+        return kl(t, s)
+    if beta == 1.0:
+        return kl(s, t)
+    m = torch.logaddexp(s + torch.log1p(torch.tensor(-beta)), t + torch.log(torch.tensor(beta)))  # [N, V]
+    return beta * kl(t, m) + (1.0 - beta) * kl(s, m)  # [N]

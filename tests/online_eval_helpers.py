@@ -33,13 +33,15 @@ class DeleteFinalStepAtBase(ReverseTextEnv):
 
 
 class CrashAtStep(L.Callback):
-    """Makes the trainer fail mid-run."""
+    """Makes the trainer fail mid-run: at `step`, or at the first step end after the file `when`
+    exists (the test writes it once it has seen what it needs while training runs)."""
 
-    def __init__(self, step: int = 3):
-        self.step = step
+    def __init__(self, step: int = 3, when: str | None = None):
+        self.step, self.when = step, when
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step >= self.step:
+        due = Path(self.when).exists() if self.when else trainer.global_step >= self.step
+        if due:
             raise RuntimeError(f"deliberate crash at step {trainer.global_step}")
 
 

@@ -130,18 +130,19 @@ def test_sft_with_online_evals_learns_and_logs_every_due_step(tmp_path, reverse_
         {"class_path": "examples.reverse_text.held_out_loss.HeldOutLoss",
          "init_args": {"path": str(reverse_data / "test.jsonl"), "num_examples": 20}},
     ]
-    pace = {"class_path": "online_eval_helpers.WaitForEval", "init_args": {"step": 50, "wait_at": 99}}
-    config = write_config(tmp_path, reverse_data, steps=100, interval=50, envs=envs, base_url=vllm_server.base_url,
+    pace = {"class_path": "online_eval_helpers.WaitForEval", "init_args": {"step": 25, "wait_at": 49}}
+    config = write_config(tmp_path, reverse_data, steps=50, interval=25, envs=envs, base_url=vllm_server.base_url,
                           extra_callbacks=[pace])
     fit_on_shared_server(config, vllm_server)
     root = tmp_path / "run"
     metrics = eval_metrics(root)
     reward, loss = metrics["eval/reverse_text/reward"], metrics["eval/held_out_loss/loss"]
-    assert sorted(reward) == sorted(loss) == [0, 50, 100]  # base model, interval, final step
-    assert metrics["eval/reverse_text/policy_version"] == {0: 0.0, 50: 50.0, 100: 100.0}
-    assert reward[100] > reward[0] + 0.2  # the model learns, and the eval sees it
-    assert loss[100] < loss[0]  # the subclassed eval produced its metric, and it moved the right way
-    traces = [json.loads(line) for line in open(root / "evals" / "step_100" / "reverse_text.jsonl")]
+    assert sorted(reward) == sorted(loss) == [0, 25, 50]  # base model, interval, final step
+    assert metrics["eval/reverse_text/policy_version"] == {0: 0.0, 25: 25.0, 50: 50.0}
+    print("held-out reward by step:", reward)
+    assert reward[50] > reward[0] + 0.2  # the model learns, and the eval sees it
+    assert loss[50] < loss[0]  # the subclassed eval produced its metric, and it moved the right way
+    traces = [json.loads(line) for line in open(root / "evals" / "step_50" / "reverse_text.jsonl")]
     assert len(traces) == 40 and {"prompt", "completion", "reward"} <= set(traces[0])
     report = lit_rl("report", str(root))
     assert report.returncode == 0 and (root / "report.png").stat().st_size > 10_000
@@ -189,7 +190,7 @@ def test_vanished_checkpoint_is_skipped_and_training_succeeds(tmp_path, reverse_
 def test_trainer_crash_takes_evaluator_and_its_server_down(tmp_path, reverse_data):
     envs = [{"class_path": "lit_rl.rollouts.ReverseTextEnv",
              "init_args": {"path": str(reverse_data / "test.jsonl"), "num_examples": 5}}]
-    crash = {"class_path": "online_eval_helpers.CrashAtStep", "init_args": {"step": 40}}
+    crash = {"class_path": "online_eval_helpers.CrashAtStep", "init_args": {"when": str(tmp_path / "crash_now")}}
     config = write_config(tmp_path, reverse_data, steps=1000, interval=1000, envs=envs,
                           server={"max_model_len": 512, "dtype": "float32", "enforce_eager": True},
                           extra_callbacks=[crash])
@@ -204,6 +205,7 @@ def test_trainer_crash_takes_evaluator_and_its_server_down(tmp_path, reverse_dat
             assert time.time() < deadline, "the evaluator never finished step 0"
             time.sleep(0.5)
         assert evaluator_processes(root), "evaluator or server not found while training"
+        (tmp_path / "crash_now").touch()  # the trainer fails at its next step
         output, _ = proc.communicate(timeout=300)
         assert proc.returncode != 0 and "deliberate crash" in output
         gone_by = time.time() + 30

@@ -64,14 +64,16 @@ def main(argv: list[str] | None = None) -> None:
         dev_mode=not args.no_dev_mode, extra_args=extra, log_path=args.log, startup_timeout=args.startup_timeout,
     )
     print(f"lit-rl serve: starting vLLM for {args.model} (log: {server.log_path or 'a temporary file'}) ...", flush=True)
+    # One try from the start: a Ctrl-C at any moment (while starting, while the ready line is being
+    # written) is a clean stop with exit 130, never a traceback.
     try:
-        server.start()
-    except ServerStartError as e:
-        print(f"lit-rl serve: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
-    print(f"lit-rl serve: ready after {server.startup_seconds:.0f} s at base_url {server.base_url} "
-          f"(log: {server.log_path}); Ctrl-C stops it", flush=True)
-    try:
+        try:
+            server.start()
+        except ServerStartError as e:
+            print(f"lit-rl serve: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
+        print(f"lit-rl serve: ready after {server.startup_seconds:.0f} s at base_url {server.base_url} "
+              f"(log: {server.log_path}); Ctrl-C stops it", flush=True)
         while server.alive():
             time.sleep(1.0)
         print(f"lit-rl serve: {server.diagnose()}", file=sys.stderr)

@@ -1,31 +1,43 @@
 """OPD: on-policy distillation, the student's own samples scored token by token by a teacher.
 
 The student samples completions of the environment's prompts (the rollout buffer, as in
-GRPO); a frozen teacher served by its own vLLM server scores exactly the sampled tokens with
-one prefill per completion (the run's `InferenceRuntime` serves it, from `inference.teacher_model`
-or `inference.teacher_base_url`; the rollout buffer fills each sample's `teacher_logprobs`). The per-token advantage is the teacher's logprob
-minus the sampler's, the negative of the sampled token's reverse-KL estimate, with no
-discount over later tokens (Agarwal et al. 2024; Thinking Machines' "On-Policy
-Distillation"): the policy gradient of that advantage lowers KL(student || teacher) on the
-student's own distribution. The loss is `lit_rl.losses.opd_loss`, normalised by the step's
-completion tokens over all micro-batches and ranks, with the same behaviour-policy
-correction as GRPO for samples drawn by weights up to `max_staleness` steps old.
+GRPO) and a frozen teacher grades every sampled position. Where the teacher runs and what it
+returns decide which `divergence` can be trained:
 
-Why on-policy: supervised distillation (SFT on the teacher's samples) trains on states the
-student would not reach; here every trained token is one the student produced, and the
-teacher grades each of them, a denser signal than one reward per completion.
+- a teacher server (`inference.teacher_model` or `inference.teacher_base_url`, served by the run's
+  `InferenceRuntime`): one prefill per completion gives the logprob of each sampled token, which
+  the rollout buffer puts on the sample as `teacher_logprobs`. Only `sampled_reverse_kl` can be
+  computed from that: the per-token advantage is the teacher's logprob minus the sampler's, the
+  negative of the sampled token's reverse-KL estimate, with no discount over later tokens
+  (Agarwal et al. 2024; Thinking Machines' "On-Policy Distillation"), trained as a policy
+  gradient (`lit_rl.losses.opd_loss`) with GRPO's behaviour-policy correction.
+- a teacher in this process (`model.teacher_model`): a frozen copy of the teacher runs on the
+  same micro-batches, and the divergence is exact over the whole vocabulary at every trained
+  position (`lit_rl.losses.token_divergence`: `forward_kl`, `reverse_kl`, or `jsd` with `beta`,
+  as in TRL's DistillationTrainer), both heads applied in chunks at trained positions only
+  (`lit_rl.chunked_head.selected_divergence_sum`). `sampled_reverse_kl` works here too.
 
-An environment's reward can mix in: `reward_weight` times the group-relative reward
-advantage is added to every token's distillation advantage.
+Why the dense divergences learn faster: one sampled token per position tells the student
+"not this" but never "what"; the full distribution says both, and its gradient is exact rather
+than a noisy estimate whose advantages are mostly negative. The dense loss has no behaviour
+weight: it is a divergence at the states the student visited, not an estimate over its tokens.
+
+Every loss is normalised by the step's trained tokens over all micro-batches and ranks.
+An environment's reward can mix into `sampled_reverse_kl`: `reward_weight` times the
+group-relative reward advantage is added to every token's distillation advantage.
 """
 
 from __future__ import annotations
 
 import torch
 
+from lit_rl.chunked_head import selected_divergence_sum, selected_token_logprobs
 from lit_rl.errors import ConfigError
-from lit_rl.losses import OPD_METRICS, check_behaviour_options, opd_loss_sums
+from lit_rl.losses import (OPD_METRICS, check_behaviour_options, check_divergence_options, divergence_beta,
+                           opd_loss_sums, token_divergence)
 from lit_rl.modules.base import CausalLMModule
+from lit_rl.modules.model_loading import load_causal_lm
+from lit_rl.sharding import apply_fsdp2, body, is_sharded
 
 
 class OPD(CausalLMModule):
@@ -34,6 +46,9 @@ class OPD(CausalLMModule):
     def __init__(
         self,
         *args,
+        divergence: str = "sampled_reverse_kl",
+        beta: float = 0.5,
+        teacher_model: str | None = None,
         is_correction: str = "token_truncate",
         is_cap: float = 2.0,
         reward_weight: float = 0.0,
@@ -42,35 +57,120 @@ class OPD(CausalLMModule):
     ):
         """
         Args:
-            is_correction: behaviour-policy weight w = exp(trainer - sampler logprob) per token:
-                ``token_truncate`` min(w, is_cap), ``token_mask`` w if w <= is_cap else 0, ``none`` 1.
+            divergence: what the loss measures between the student and the teacher at each trained
+                position: ``sampled_reverse_kl`` (the sampled token's reverse-KL estimate, as a policy
+                gradient; any teacher), or over the whole vocabulary (needs ``teacher_model``):
+                ``reverse_kl`` KL(student || teacher), ``forward_kl`` KL(teacher || student), ``jsd``
+                the generalised Jensen-Shannon divergence with ``beta`` (docs/distillation.md).
+            beta: the ``jsd`` mixture weight of the teacher, in [0, 1]: 0 is forward KL, 1 reverse KL.
+            teacher_model: a teacher loaded in this process, frozen (hub name, directory or built-in
+                model; the same dtype and attention as ``model``), instead of a teacher server. It
+                must share the student's tokenizer.
+            is_correction: ``sampled_reverse_kl``'s behaviour-policy weight w = exp(trainer - sampler
+                logprob) per token: ``token_truncate`` min(w, is_cap), ``token_mask`` w if w <= is_cap
+                else 0, ``none`` 1.
             is_cap: the cap of w.
             reward_weight: weight of the environment's group-relative reward advantage added to
-                each token's distillation advantage; 0 (default): distillation only.
+                each token's distillation advantage (``sampled_reverse_kl`` only); 0: distillation only.
             log_entropy: log the mean entropy of the distributions the completion tokens were
                 sampled from (an extra pass over each head chunk, no backward).
             *args, **kwargs: the `CausalLMModule` arguments (model, optimizer, ...).
         """
         super().__init__(*args, **kwargs)
-        problems = check_behaviour_options(is_correction, is_cap)
+        problems = check_behaviour_options(is_correction, is_cap) + check_divergence_options(divergence, beta)
         if reward_weight < 0:
             problems.append(f"reward_weight must be >= 0, got {reward_weight}")
+        if reward_weight and divergence != "sampled_reverse_kl":
+            problems.append(f"reward_weight mixes a reward into the sampled-token advantage; divergence {divergence!r} "
+                            "has none (use divergence 'sampled_reverse_kl' or reward_weight 0)")
         if problems:
             raise ValueError("OPD: " + "; ".join(problems))
+        self.divergence, self.beta, self.teacher_model = divergence, beta, teacher_model
         self.is_correction, self.is_cap, self.reward_weight, self.log_entropy = is_correction, is_cap, reward_weight, log_entropy
+        # The in-process teacher stays outside the module tree: not trained, not in checkpoints or exports.
+        object.__setattr__(self, "teacher", None)
+
+    @property
+    def dense(self) -> bool:
+        return self.divergence != "sampled_reverse_kl"
+
+    # ---- the teacher ---------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self.teacher_model is None or self.teacher is not None:
+            return
+        teacher = load_causal_lm(self.teacher_model, dtype=self.dtype_name, trust_remote_code=self.trust_remote_code,
+                                 attn_implementation=self.attn_implementation)
+        teacher.eval().requires_grad_(False)
+        rows, ours = teacher.get_output_embeddings().weight.shape[0], self.model.get_output_embeddings().weight.shape[0]
+        if rows != ours:
+            raise ConfigError(f"OPD: model.teacher_model {self.teacher_model} has an output head of {rows} tokens, "
+                              f"the student {ours}: a teacher must share the student's vocabulary")
+        if self._fsdp2_strategy():
+            apply_fsdp2(teacher, self.device_mesh, self.sharding)
+        object.__setattr__(self, "teacher", teacher)
+
+    def on_fit_start(self) -> None:
+        if self.teacher is not None and not is_sharded(self.teacher):
+            self.teacher.to(self.device)
 
     def setup(self, stage: str) -> None:
+        if stage != "fit":
+            return
         data = getattr(self.trainer, "datamodule", None)
-        if stage == "fit" and not getattr(data, "has_teacher", False):  # its samples carry the teacher's scores
+        served = getattr(data, "has_teacher", False)  # its samples carry a teacher server's scores
+        if self.teacher_model is not None and served:
+            raise ConfigError("OPD: two teachers: model.teacher_model loads one in this process and inference.teacher_model "
+                              "or inference.teacher_base_url serves one; set one of them")
+        if self.teacher_model is None and not served:
             raise ConfigError(
-                "OPD needs a teacher to score the student's samples: set inference.teacher_model (lit-rl starts a "
-                "vLLM server for it) or inference.teacher_base_url (an existing server), with a RolloutDataModule"
+                "OPD needs a teacher to score the student's samples: set model.teacher_model (loaded in this process), "
+                "inference.teacher_model (lit-rl starts a vLLM server for it) or inference.teacher_base_url (an existing "
+                "server), with a RolloutDataModule"
             )
+        if self.dense and self.teacher_model is None:
+            raise ConfigError(
+                f"OPD: model.divergence {self.divergence!r} needs the teacher's whole next-token distribution, which a "
+                "teacher server does not return: set model.teacher_model (the teacher in this process) instead of "
+                "inference.teacher_*, or model.divergence sampled_reverse_kl"
+            )
+        if self.teacher_model is not None:
+            self._check_teacher_tokenizer()
 
+    def _check_teacher_tokenizer(self) -> None:
+        from lit_rl.model_names import load_tokenizer
+        from lit_rl.rollouts.teacher import tokenizer_mismatch
+
+        problem = tokenizer_mismatch(load_tokenizer(self.tokenizer_name, trust_remote_code=self.trust_remote_code),
+                                     load_tokenizer(self.teacher_model, trust_remote_code=self.trust_remote_code))
+        if problem:
+            raise ConfigError(f"OPD: model.teacher_model {self.teacher_model} {problem}")
+
+    def _teacher_at_trained_positions(self, micro_batch: dict[str, torch.Tensor]):
+        """The teacher's hidden states [N, Ht] where the student's next token is trained, and its head."""
+        with torch.no_grad():
+            targets = micro_batch["loss_mask"][:, 1:]  # [B, T-1]
+            hidden = body(self.teacher)(input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"],
+                                        use_cache=False).last_hidden_state[:, :-1][targets]  # [N, Ht]
+        head = self.teacher.get_output_embeddings()
+        return hidden, head.weight, head.bias
+
+    def _teacher_logits(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():
+            return self.teacher(input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"],
+                                use_cache=False).logits  # [B, T, V]
+
+    # ---- the loss ---------------------------------------------------------------------------------
     def micro_batch_loss_sum(self, micro_batch: dict[str, torch.Tensor]):
-        if "teacher_logprobs" not in micro_batch or "logprobs" not in micro_batch:
-            raise ValueError("OPD trains on rollouts with sampling and teacher logprobs; use a RolloutDataModule "
-                             "and a teacher (inference.teacher_model or inference.teacher_base_url)")
+        if "logprobs" not in micro_batch:
+            raise ValueError("OPD trains on the student's own samples with their sampling logprobs; use a RolloutDataModule")
+        if self.dense:
+            return self._dense_loss_sum(micro_batch)
+        if self.teacher is not None:
+            micro_batch = {**micro_batch, "teacher_logprobs": self._teacher_token_logprobs(micro_batch)}
+        elif "teacher_logprobs" not in micro_batch:
+            raise ValueError("OPD: the samples carry no teacher_logprobs: set inference.teacher_model or "
+                             "inference.teacher_base_url (a teacher server), or model.teacher_model")
         logprobs, entropy = self.target_logprobs(micro_batch, with_entropy=self.log_entropy)  # [B, T], [B, T]
         mask = micro_batch["loss_mask"]  # [B, T]
         loss_sum, sums = opd_loss_sums(
@@ -79,3 +179,32 @@ class OPD(CausalLMModule):
             advantages=micro_batch.get("advantages"), reward_weight=self.reward_weight,
         )
         return loss_sum, self.token_means(sums, OPD_METRICS, entropy, mask)
+
+    def _teacher_token_logprobs(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The in-process teacher's logprob [B, T] of each trained token (0 elsewhere), like a server's."""
+        mask = micro_batch["loss_mask"].clone()  # [B, T]
+        mask[:, 0] = False
+        if self._uses_plain_head(micro_batch):
+            hidden, weight, bias = self._teacher_at_trained_positions(micro_batch)
+            with torch.no_grad():
+                lp, _ = selected_token_logprobs(hidden, weight, micro_batch["input_ids"][:, 1:][mask[:, 1:]],
+                                                bias=bias, chunk_size=self.head_chunk_size)  # [N]
+            return torch.zeros(mask.shape, dtype=lp.dtype, device=lp.device).masked_scatter(mask, lp)
+        from lit_rl.losses import shifted_token_logprobs
+
+        return shifted_token_logprobs(self._teacher_logits(micro_batch), micro_batch["input_ids"]) * mask
+
+    def _dense_loss_sum(self, micro_batch: dict[str, torch.Tensor]):
+        beta = divergence_beta(self.divergence, self.beta)
+        targets = micro_batch["loss_mask"][:, 1:]  # [B, T-1]
+        if self._uses_plain_head(micro_batch):
+            hidden, _, weight, bias = self._trained_positions(micro_batch)
+            teacher_hidden, teacher_weight, teacher_bias = self._teacher_at_trained_positions(micro_batch)
+            loss_sum = selected_divergence_sum(hidden, weight, teacher_hidden, teacher_weight, beta=beta, student_bias=bias,
+                                               teacher_bias=teacher_bias, chunk_size=self.head_chunk_size)
+        else:  # a model whose forward transforms its logits: the full logits of both
+            student = torch.log_softmax(self.logits(micro_batch)[:, :-1][targets].float(), dim=-1)  # [N, V]
+            teacher = torch.log_softmax(self._teacher_logits(micro_batch)[:, :-1][targets].float(), dim=-1)  # [N, V]
+            loss_sum = token_divergence(student, teacher, beta).sum()
+        tokens = targets.sum().to(loss_sum)
+        return loss_sum, {"divergence": (loss_sum.detach(), tokens)}

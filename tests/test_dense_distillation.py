@@ -1,0 +1,137 @@
+"""Dense on-policy distillation: each divergence against values computed by hand, the chunked
+two-head loss against full logits (value and gradients), and one OPD optimizer step with the
+teacher in process equal to the reference over the whole step, however it is split or packed."""
+
+import copy
+import math
+
+import lightning as L
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from helpers import TINY_MODEL
+from lit_rl.chunked_head import selected_divergence_sum
+from lit_rl.data.step_builder import build_step
+from lit_rl.losses import opd_loss, shifted_token_logprobs, token_divergence
+from lit_rl.modules.model_loading import load_causal_lm
+from lit_rl.modules.opd import OPD
+from test_grpo_step import OneStep, as_batch, rollout_samples, sgd
+
+S, T = [0.5, 0.3, 0.2], [0.2, 0.2, 0.6]
+
+
+def kl(p, q):
+    return sum(a * math.log(a / b) for a, b in zip(p, q))
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.25, 0.5, 1.0])
+def test_each_divergence_equals_its_hand_computed_value(beta):
+    if beta == 0.0:
+        want = kl(T, S)  # forward KL(teacher || student)
+    elif beta == 1.0:
+        want = kl(S, T)  # reverse KL(student || teacher)
+    else:
+        m = [(1 - beta) * s + beta * t for s, t in zip(S, T)]
+        want = beta * kl(T, m) + (1 - beta) * kl(S, m)
+    got = token_divergence(torch.tensor([S]).log(), torch.tensor([T]).log(), beta)
+    assert got.shape == (1,) and got.item() == pytest.approx(want, abs=1e-7)
+    assert token_divergence(torch.tensor([T]).log(), torch.tensor([T]).log(), beta).item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_the_gradients_are_the_hand_derived_ones():
+    """d KL(s || t) / d z = s (log s - log t - KL(s || t)); d KL(t || s) / d z = s - t (z: student logits)."""
+    g = torch.Generator().manual_seed(0)
+    t = torch.log_softmax(torch.randn(3, 6, generator=g), -1)
+    for beta, hand in [(1.0, lambda s: s.exp() * (s - t - token_divergence(s, t, 1.0)[:, None])),
+                       (0.0, lambda s: s.exp() - t.exp())]:
+        z = torch.randn(3, 6, generator=g, requires_grad=True)
+        token_divergence(torch.log_softmax(z, -1), t, beta).sum().backward()
+        torch.testing.assert_close(z.grad, hand(torch.log_softmax(z.detach(), -1)), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("chunk_size", [1, 3, 64])
+def test_chunked_two_head_divergence_equals_the_full_logits_one(beta, chunk_size):
+    g = torch.Generator().manual_seed(1)
+    n, hs, ht, v = 7, 8, 5, 11  # the teacher is narrower than the student: only the vocabulary is shared
+    hidden, weight, bias = (torch.randn(*shape, generator=g, requires_grad=True) for shape in ((n, hs), (v, hs), (v,)))
+    t_hidden, t_weight = torch.randn(n, ht, generator=g), torch.randn(v, ht, generator=g)
+    full = token_divergence(torch.log_softmax(hidden @ weight.T + bias, -1), torch.log_softmax(t_hidden @ t_weight.T, -1), beta).sum()
+    want = torch.autograd.grad(full, (hidden, weight, bias))
+    got = selected_divergence_sum(hidden, weight, t_hidden, t_weight, beta=beta, student_bias=bias, chunk_size=chunk_size)
+    assert got.item() == pytest.approx(full.item(), abs=1e-5)
+    for a, b in zip(torch.autograd.grad(got, (hidden, weight, bias)), want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_bad_options_are_one_error_naming_each():
+    with pytest.raises(ValueError) as e:
+        OPD(model=TINY_MODEL, divergence="kl", beta=1.5)
+    assert "divergence must be one of" in str(e.value) and "beta must be in [0, 1], got 1.5" in str(e.value)
+    with pytest.raises(ValueError, match="reward_weight"):
+        OPD(model=TINY_MODEL, divergence="reverse_kl", reward_weight=0.5)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A student and a teacher of other weights (a directory with its tokenizer, as a user gives it)."""
+    teacher_dir = tmp_path_factory.mktemp("teacher")
+    teacher = load_causal_lm(TINY_MODEL, random_init=True, seed=1)
+    teacher.save_pretrained(teacher_dir)
+    AutoTokenizer.from_pretrained(TINY_MODEL).save_pretrained(teacher_dir)
+    return load_causal_lm(TINY_MODEL, random_init=True, seed=0), teacher, str(teacher_dir)
+
+
+def reference_update(student, teacher, samples, divergence, beta):
+    """Parameters after one SGD step (lr 1) on the loss over all samples as one [B, T] batch: the
+    divergence of the full logits at every trained position over their number, or opd_loss."""
+    student = copy.deepcopy(student)
+    lp, inf, _, mask, _ = as_batch(student, samples)  # [B, T] x 4
+    if divergence == "sampled_reverse_kl":
+        teacher_lp = torch.zeros_like(inf)
+        for b, s in enumerate(samples):
+            ids = torch.tensor([s.input_ids])
+            with torch.no_grad():
+                teacher_lp[b, : len(s)] = shifted_token_logprobs(teacher(input_ids=ids, use_cache=False).logits, ids)[0]
+        loss, _ = opd_loss(lp, lp.detach(), inf, teacher_lp * mask, mask)
+    else:
+        beta = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": beta}[divergence]
+        total, count = torch.zeros(()), 0
+        for s in samples:
+            ids = torch.tensor([s.input_ids])
+            at = torch.tensor(s.loss_mask[1:])  # positions whose next token is trained
+            ours = torch.log_softmax(student(input_ids=ids, use_cache=False).logits[0, :-1][at].float(), -1)
+            with torch.no_grad():
+                theirs = torch.log_softmax(teacher(input_ids=ids, use_cache=False).logits[0, :-1][at].float(), -1)
+            total, count = total + token_divergence(ours, theirs, beta).sum(), count + int(at.sum())
+        loss = total / count
+    loss.backward()
+    with torch.no_grad():
+        for p in student.parameters():
+            p -= p.grad
+    return student, loss.item()
+
+
+@pytest.mark.parametrize("divergence, beta", [("reverse_kl", 0.5), ("forward_kl", 0.5), ("jsd", 0.3),
+                                              ("sampled_reverse_kl", 0.5)])
+def test_one_step_with_the_teacher_in_process_equals_the_reference(models, divergence, beta):
+    student, teacher, teacher_dir = models
+    samples = rollout_samples(student, n=8)
+    want, want_loss = reference_update(student, teacher, samples, divergence, beta)
+    for budget, packing in [(4096, "padded"), (40, "packed")]:
+        module = OPD(model=TINY_MODEL, optimizer=sgd, max_grad_norm=None, divergence=divergence, beta=beta,
+                     teacher_model=teacher_dir, head_chunk_size=7)
+        module.model = copy.deepcopy(student)
+        step = build_step(samples, micro_batch_tokens=budget, packing=packing)
+        assert budget == 4096 or len(step["micro_batches"]) > 2  # the small budget really splits the step
+        trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+        trainer.fit(module, datamodule=OneStep(step))
+        assert trainer.callback_metrics["train/loss"].item() == pytest.approx(want_loss, abs=1e-5)
+        if divergence != "sampled_reverse_kl":
+            assert trainer.callback_metrics["train/divergence"].item() == pytest.approx(want_loss, abs=1e-5)
+        for (name, a), b in zip(want.named_parameters(), module.model.parameters()):
+            torch.testing.assert_close(b, a, atol=2e-6, rtol=0, msg=lambda m: f"{divergence} {budget}/{packing} {name}: {m}")
+        assert not any(p.requires_grad for p in module.teacher.parameters())
+        assert not any(k.startswith("teacher") for k in module.state_dict())  # not checkpointed, not exported
