@@ -63,14 +63,24 @@ class TrainingStep:
 
     def _step_micro_batches(self, batch: dict) -> list[dict]:
         """The step's micro-batches on this rank; an empty one stands in for each source of a mixed
-        step that gave this rank nothing (or for a step with no rows), so that every rank takes
-        part in the same collectives and logs the same metric names."""
+        step that gave this rank nothing (or for a step with no rows), and more are added until
+        every rank has as many micro-batches as the rank with the most, so that every rank takes
+        part in the same collectives and logs the same metric names. Equal counts matter under
+        FSDP: each forward all-gathers each layer's weights, so a rank with one micro-batch more
+        than another (equal samples, other lengths, a token budget) would wait for it forever."""
         micro_batches = list(batch["micro_batches"])
         present = {mb.get("part") for mb in micro_batches}
-        for name, loss in batch.get("parts") or []:
+        parts = batch.get("parts") or []
+        for name, loss in parts:
             if name not in present:
                 micro_batches.append({**self._empty_micro_batch(), "part": name, "loss": loss})
-        return micro_batches or [self._empty_micro_batch()]
+        micro_batches = micro_batches or [self._empty_micro_batch()]
+        if self.trainer.world_size > 1:
+            most = int(self.trainer.strategy.reduce(torch.tensor(float(len(micro_batches)), device=self.device),
+                                                    reduce_op="max"))
+            like = {"part": parts[0][0], "loss": parts[0][1]} if parts else {}
+            micro_batches += [{**self._empty_micro_batch(), **like} for _ in range(most - len(micro_batches))]
+        return micro_batches
 
     # ---- one optimizer step per batch: counts, backward, optimizer, logging ---------------------
     def _sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
