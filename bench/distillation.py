@@ -13,6 +13,15 @@ with real vLLM servers:
                cross-entropy on its tokens.
   grpo_replay  `examples/reverse_text/grpo_replay.yaml`: GRPO plus the SFT rows replayed in every
                batch (a third of it), each loss normalised by its own tokens (no teacher).
+  opd_sampled  `opd.yaml` with the teacher on its own vLLM server and `divergence: sampled_reverse_kl`
+               (one sampled token's reverse-KL estimate per position, as a policy gradient).
+  opd_reverse_kl, opd_forward_kl, opd_jsd
+               `opd.yaml` with the teacher in the trainer's process (`model.teacher_model`) and
+               that divergence over the whole vocabulary (`opd_jsd`: beta 0.5).
+  trl          TRL's `DistillationTrainer` (a child process): on-policy, beta 1.0 (reverse KL over
+               the whole vocabulary), teacher in process, `use_vllm=False`, opd.yaml's lr and AdamW
+               (no weight decay, constant rate, clipping at 1.0), 64 completions per step (16 x 4
+               accumulated), at most 48 new tokens, temperature 1, float32, no gradient checkpointing.
 
 Each runs `lit-rl fit` for `--minutes` of training (Lightning's `max_time`; the run's wall time,
 servers' start-up included, is reported beside it) with an HF export every `--every` steps. Afterwards every export
@@ -26,6 +35,12 @@ into each run's `evals/eval_metrics.csv`, and the curves of all runs overlaid in
     .venv/bin/python bench/distillation.py --methods opd,grpo --minutes 6 --json out.json
     .venv/bin/python bench/distillation.py --methods grpo,grpo_replay --steps 60 --out runs/replay_bench
     .venv/bin/python bench/distillation.py --score-only     # re-score the runs already there, overlay them
+    .venv/bin/python bench/distillation.py --methods opd_sampled,opd_reverse_kl,trl --steps 40 --every 10
+
+Besides the held-out curve, each run reports its seconds per optimizer step after the first
+(lit-rl: from `train/tokens / train/tokens_per_s` of each logged step, which spans the step's wait
+for data, compute and weight sync; TRL: between its step-end callbacks) and its peak resident set
+(lit-rl: `train/peak_memory_gb`, the trainer process alone; TRL: its process).
 """
 
 from __future__ import annotations
@@ -50,13 +65,20 @@ from exact_match import score  # noqa: E402
 from lit_rl.commands import report  # noqa: E402
 from lit_rl.eval.logging import EvalLogger  # noqa: E402
 
+OPD = "examples/reverse_text/opd.yaml"
 CONFIGS = {
-    "opd": ("examples/reverse_text/opd.yaml", "OPD (teacher scores the student's tokens)"),
+    "opd": (OPD, "OPD as in opd.yaml"),
     "grpo": ("examples/reverse_text/grpo.yaml", "GRPO (reward only)"),
     "sft_teacher": ("examples/reverse_text/sft_teacher.yaml", "SFT on the teacher's completions"),
     "grpo_replay": ("examples/reverse_text/grpo_replay.yaml", "GRPO + replay of the SFT rows"),
+    "opd_sampled": (OPD, "OPD, sampled-token reverse KL, teacher server"),
+    "opd_reverse_kl": (OPD, "OPD, reverse KL over the vocabulary, teacher in process"),
+    "opd_forward_kl": (OPD, "OPD, forward KL over the vocabulary, teacher in process"),
+    "opd_jsd": (OPD, "OPD, JSD beta 0.5 over the vocabulary, teacher in process"),
+    "trl": (None, "TRL DistillationTrainer (beta 1, teacher in process)"),
 }
 NO_TEACHER = ("grpo", "grpo_replay")
+IN_PROCESS = {"opd_reverse_kl": "reverse_kl", "opd_forward_kl": "forward_kl", "opd_jsd": "jsd"}
 HELD_OUT = os.path.join(REPO, "examples", "reverse_text", "data", "test.jsonl")
 
 
@@ -99,6 +121,23 @@ def method_config(args, method: str, root: str) -> str:
     return path
 
 
+def teacher_flags(args, method: str) -> list[str]:
+    """Where the method's teacher runs: in the trainer (model.teacher_model) or on a vLLM server."""
+    in_process = ["--inference.teacher_model", "null", "--inference.teacher_server", "{}", "--model.init_args.teacher_model",
+                  args.teacher]
+    if method in IN_PROCESS:
+        return in_process + ["--model.init_args.divergence", IN_PROCESS[method]]
+    if method == "opd_sampled":
+        return ["--inference.teacher_model", args.teacher, "--model.init_args.teacher_model", "null",
+                "--model.init_args.divergence", "sampled_reverse_kl"]
+    if method == "opd":  # as the example has it
+        with open(os.path.join(REPO, OPD)) as f:
+            example = yaml.safe_load(f)
+        if example["model"]["init_args"].get("teacher_model"):
+            return ["--model.init_args.teacher_model", args.teacher]
+    return [] if method in NO_TEACHER else ["--inference.teacher_model", args.teacher]
+
+
 def train_method(args, method: str, root: str) -> float:
     """`lit-rl fit` of the method's example config into a fresh `root`; its wall time in seconds."""
     shutil.rmtree(root, ignore_errors=True)  # a fresh run: no steps, logs or scores of an earlier one
@@ -112,8 +151,7 @@ def train_method(args, method: str, root: str) -> float:
         minutes = int(args.minutes)
         seconds = int(round((args.minutes - minutes) * 60))
         cmd += ["--trainer.max_time", f"00:00:{minutes:02d}:{seconds:02d}", "--trainer.max_steps", "100000"]
-    if method not in NO_TEACHER:
-        cmd += ["--inference.teacher_model", args.teacher]
+    cmd += teacher_flags(args, method)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     started = time.perf_counter()
     with open(root + ".log", "w") as log:
@@ -123,9 +161,27 @@ def train_method(args, method: str, root: str) -> float:
     return time.perf_counter() - started
 
 
+def lit_rl_speed(root: str) -> dict:
+    """Seconds per optimizer step after the first, and the trainer's peak resident set, from metrics.csv."""
+    import csv
+    import glob
+
+    (path,) = sorted(glob.glob(os.path.join(root, "logs", "version_*", "metrics.csv")))[-1:]
+    rows = [r for r in csv.DictReader(open(path)) if r.get("train/tokens_per_s")]
+    spans = [float(r["train/tokens"]) / float(r["train/tokens_per_s"]) for r in rows[1:]]
+    return {"step_s": sum(spans) / max(len(spans), 1), "peak_rss_gb": max(float(r["train/peak_memory_gb"]) for r in rows)}
+
+
 def run_method(args, method: str, student: dict) -> dict:
     root = os.path.abspath(os.path.join(args.out, method))
-    wall = None if args.score_only else train_method(args, method, root)
+    speed = {}
+    if args.score_only:
+        wall = None
+    elif method == "trl":
+        wall, speed = train_trl(args, root)
+    else:
+        wall = train_method(args, method, root)
+        speed = lit_rl_speed(root)
     if not os.path.isdir(os.path.join(root, "weights")):
         raise RuntimeError(f"{method}: no exports under {root}/weights to score")
     steps = sorted(int(d.split("_")[1]) for d in os.listdir(os.path.join(root, "weights")) if d.startswith("step_"))
@@ -140,7 +196,7 @@ def run_method(args, method: str, student: dict) -> dict:
         curve.append({"step": step, **s})
         evals.log(step, {"eval/held_out/greedy_reward": s["reward"], "eval/held_out/sampled_reward": s["sampled_reward"]})
         print(f"{method} step {step}: greedy {s['reward']:.3f}, sampled {s['sampled_reward']:.3f}", flush=True)
-    return {"label": CONFIGS[method][1], "wall_s": wall, "curve": curve}
+    return {"label": CONFIGS[method][1], "wall_s": wall, "curve": curve, **speed}
 
 
 def first_step_reaching(curve: list[dict], key: str, bar: float) -> int | None:
@@ -156,16 +212,22 @@ def main(argv=None) -> None:
           f"student: greedy {student['reward']:.3f}, sampled {student['sampled_reward']:.3f}", flush=True)
     results = {m: run_method(args, m, student) for m in args.methods}
     lines = ["| method | steps in the budget | held-out reward, greedy (start -> end) | held-out reward, sampled (start -> end) "
-             f"| first step at {args.fraction:.0%} of the teacher, greedy | same, sampled | run wall time |",
-             "|---|---:|---|---|---:|---:|---:|"]
+             f"| lowest by step 20, greedy / sampled | first step at {args.fraction:.0%} of the teacher, greedy | same, sampled "
+             "| s per step | peak RSS | run wall time |",
+             "|---|---:|---|---|---|---:|---:|---:|---:|---:|"]
     for m, r in results.items():
         last = r["curve"][-1]
         reach = [first_step_reaching(r["curve"], k, args.fraction * teacher[k]) for k in ("reward", "sampled_reward")]
         r["reach"] = dict(zip(("greedy", "sampled"), reach))
+        early = [p for p in r["curve"] if p["step"] <= 20] or r["curve"][:1]
+        r["lowest_by_20"] = {k: min(p[k] for p in early) for k in ("reward", "sampled_reward")}
         lines.append(f"| {r['label']} | {last['step']} | {student['reward']:.3f} -> {last['reward']:.3f} | "
                      f"{student['sampled_reward']:.3f} -> {last['sampled_reward']:.3f} | "
+                     f"{r['lowest_by_20']['reward']:.3f} / {r['lowest_by_20']['sampled_reward']:.3f} | "
                      f"{reach[0] if reach[0] is not None else 'not reached'} | "
                      f"{reach[1] if reach[1] is not None else 'not reached'} | "
+                     f"{format(r['step_s'], '.2f') + ' s' if 'step_s' in r else '-'} | "
+                     f"{format(r['peak_rss_gb'], '.2f') + ' GB' if 'peak_rss_gb' in r else '-'} | "
                      f"{'-' if r['wall_s'] is None else format(r['wall_s'], '.0f') + ' s'} |")
     print("\n".join(lines))
     budget = "as trained earlier (--score-only)" if args.score_only else (
@@ -180,5 +242,91 @@ def main(argv=None) -> None:
             json.dump({"teacher": teacher, "student": student, "settings": vars(args), "results": results}, f, indent=2)
 
 
+# ---- TRL (runs in a child process: `--trl-worker spec.json`) -----------------------------------------
+def train_trl(args, root: str) -> tuple[float, dict]:
+    """TRL's DistillationTrainer from the same student, teacher, prompts and optimizer settings, with
+    an export into `root/weights/step_N` every `--every` steps (scored like lit-rl's)."""
+    if not args.steps:
+        raise SystemExit("the trl method needs --steps (TRL has no wall-clock budget)")
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    with open(os.path.join(REPO, OPD)) as f:
+        example = yaml.safe_load(f)
+    optimizer = example["model"]["init_args"]["optimizer"]
+    if optimizer["class_path"] != "torch.optim.AdamW" or optimizer["init_args"].get("weight_decay", 0.01) != 0.0:
+        raise RuntimeError(f"{OPD}: the bench gives TRL AdamW without weight decay; update it")
+    data = example["data"]["init_args"]
+    spec = {"student": args.student, "teacher": args.teacher, "root": root, "steps": args.steps, "every": args.every,
+            "lr": optimizer["init_args"]["lr"], "batch": data["batch_size"], "max_tokens": data["max_tokens"],
+            "prompts": os.path.join(REPO, data["env"]["init_args"]["path"]), "seed": example.get("seed_everything", 0),
+            "out": os.path.join(root, "trl_result.json")}
+    spec_path = os.path.join(root, "trl_spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    started = time.perf_counter()
+    with open(root + ".log", "w") as log:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--trl-worker", spec_path], cwd=REPO,
+                              stdout=log, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"trl failed (exit {proc.returncode}); see {root}.log")
+    with open(spec["out"]) as f:
+        return time.perf_counter() - started, json.load(f)
+
+
+def trl_worker(spec_path: str) -> None:
+    import resource
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import datasets
+    import torch
+    import transformers
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import DistillationConfig, DistillationTrainer
+
+    transformers.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    with open(spec_path) as f:
+        spec = json.load(f)
+    with open(spec["prompts"]) as f:
+        rows = [{"prompt": json.loads(line)["messages"][:1]} for line in f]
+    tokenizer = AutoTokenizer.from_pretrained(spec["student"])
+    ticks: list[float] = []
+
+    class ExportAndClock(TrainerCallback):
+        def on_step_end(self, args_, state, control, model=None, **kwargs):
+            ticks.append(time.perf_counter())
+            if state.global_step % spec["every"] == 0 or state.global_step == spec["steps"]:
+                out = os.path.join(spec["root"], "weights", f"step_{state.global_step}")
+                model.save_pretrained(out)
+                tokenizer.save_pretrained(out)
+                open(os.path.join(out, "STABLE"), "w").close()
+
+    micro = 16
+    config = DistillationConfig(
+        output_dir=os.path.join(spec["root"], "trl_out"), use_cpu=True, use_vllm=False, bf16=False, fp16=False,
+        gradient_checkpointing=False, per_device_train_batch_size=micro, gradient_accumulation_steps=spec["batch"] // micro,
+        max_completion_length=spec["max_tokens"], temperature=1.0, top_p=1.0, top_k=0, beta=1.0,
+        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, optim="adamw_torch",
+        max_grad_norm=1.0, max_steps=spec["steps"], logging_steps=1, report_to="none", save_strategy="no",
+        disable_tqdm=True, dataloader_num_workers=0, seed=spec["seed"],
+        model_init_kwargs={"dtype": torch.float32}, teacher_model_init_kwargs={"dtype": torch.float32},
+    )
+    trainer = DistillationTrainer(model=spec["student"], teacher_model=spec["teacher"], args=config,
+                                  train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
+                                  callbacks=[ExportAndClock()])
+    trainer.train()
+    if len(ticks) != spec["steps"]:
+        raise RuntimeError(f"TRL ran {len(ticks)} optimizer steps, expected {spec['steps']}")
+    spans = [b - a for a, b in zip(ticks, ticks[1:])]
+    with open(spec["out"], "w") as f:
+        json.dump({"step_s": sum(spans) / max(len(spans), 1),
+                   "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}, f)
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--trl-worker":
+        trl_worker(sys.argv[2])
+    else:
+        main()

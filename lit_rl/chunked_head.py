@@ -16,6 +16,9 @@ at once.
   logits (`softmax - onehot`) does not depend on anything downstream but one scalar,
   so it is computed in the forward pass while the chunk's logits are at hand and
   scaled in backward: no recomputation, three head matmuls like the unchunked loss.
+- `selected_divergence_sum`: dense distillation, a divergence between the student's and a
+  teacher's whole next-token distributions (`lit_rl.losses.token_divergence`), each model's head
+  applied to its own hidden states; each chunk is recomputed in backward (checkpointing).
 
 Both compute logits in the weight's dtype (as the model's own head does) and the
 softmax in float32, like `log_softmax(logits.float())` on full logits.
@@ -226,7 +229,9 @@ def selected_divergence_sum(
                          f"{tuple(teacher_weight.shape)} vs {tuple(student_weight.shape)}")
     teacher_hidden, teacher_weight = teacher_hidden.detach(), teacher_weight.detach()
     teacher_bias = None if teacher_bias is None else teacher_bias.detach()
-    total = torch.zeros((), dtype=torch.float32, device=student_hidden.device)  # []
+    # A zero tied to the student's tensors: with no position (a stand-in micro-batch) the backward
+    # still runs through the model, as FSDP's gradient reduction and DDP's sync expect of every rank.
+    total = 0.0 * (student_hidden.float().sum() + student_weight.float().sum())  # []
     for a in range(0, student_hidden.shape[0], chunk_size):
         b = min(a + chunk_size, student_hidden.shape[0])
         total = total + checkpoint(_chunk_divergence, student_hidden[a:b], student_weight, student_bias,

@@ -135,3 +135,30 @@ def test_one_step_with_the_teacher_in_process_equals_the_reference(models, diver
             torch.testing.assert_close(b, a, atol=2e-6, rtol=0, msg=lambda m: f"{divergence} {budget}/{packing} {name}: {m}")
         assert not any(p.requires_grad for p in module.teacher.parameters())
         assert not any(k.startswith("teacher") for k in module.state_dict())  # not checkpointed, not exported
+
+
+@pytest.mark.slow
+def test_the_teacher_in_process_sharded_with_the_student_gives_the_one_process_update(models, tmp_path):
+    """FSDP2, 2 CPU processes, student and teacher both sharded, each rank half the samples: the
+    update is the reference over all samples (the divergence normalised by both ranks' positions)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from helpers import REPO
+
+    student, teacher, teacher_dir = models
+    want, want_loss = reference_update(student, teacher, rollout_samples(student, n=8), "reverse_kl", 0.5)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "fsdp_opd_step.py"), teacher_dir, "reverse_kl",
+                          str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["teacher_sharded"], metrics
+    assert metrics["train/loss"] == pytest.approx(want_loss, abs=1e-5)
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    for name, a in want.named_parameters():
+        torch.testing.assert_close(got[name], a.detach(), atol=2e-6, rtol=0, msg=name)

@@ -78,3 +78,49 @@ def test_opd_without_a_teacher_or_with_another_tokenizer_is_refused_before_any_s
                                            "--inference.teacher_model", str(other)))
     assert code == 1 and "another vocabulary" in stderr, stderr[-3000:]
     assert not (tmp_path / "b" / "vllm_teacher.log").exists() and not (tmp_path / "b" / "vllm.log").exists()
+
+
+def test_a_dense_divergence_needs_the_teacher_in_process_and_one_teacher_only(data, tmp_path, lit_rl_main):
+    student = ("--model.init_args.random_init", "true")
+    code, _, stderr = lit_rl_main(opd_args(tmp_path / "a", data, TINY_MODEL, 2, *student, "--model.init_args.divergence",
+                                           "reverse_kl", "--inference.teacher_model", TINY_MODEL))
+    assert code == 1 and "model.divergence 'reverse_kl' needs the teacher's whole next-token distribution" in stderr, stderr
+    code, _, stderr = lit_rl_main(opd_args(tmp_path / "b", data, TINY_MODEL, 2, *student, "--model.init_args.teacher_model",
+                                           TINY_MODEL, "--inference.teacher_model", TINY_MODEL))
+    assert code == 1 and "OPD: two teachers" in stderr, stderr
+    code, _, stderr = lit_rl_main(opd_args(tmp_path / "c", data, TINY_MODEL, 2, *student, "--model.init_args.beta", "2"))
+    assert code == 1 and "beta must be in [0, 1], got 2.0" in stderr, stderr
+    other = tmp_path / "other_tokenizer"
+    tok = AutoTokenizer.from_pretrained(TINY_MODEL)
+    tok.add_tokens(["<teacher_only>"])
+    tok.save_pretrained(other)
+    code, _, stderr = lit_rl_main(opd_args(tmp_path / "d", data, TINY_MODEL, 2, *student, "--model.init_args.teacher_model",
+                                           str(other), "--inference.teacher_model", "null", "--inference.teacher_server", "{}"))
+    assert code == 1 and f"OPD: model.teacher_model {other} has another vocabulary" in stderr, stderr
+    for run in "abcd":
+        assert not (tmp_path / run / "vllm.log").exists() and not (tmp_path / run / "vllm_teacher.log").exists()
+
+
+@pytest.mark.slow
+def test_opd_with_the_teacher_in_process_lowers_the_divergence_through_the_cli(vllm_server, data, tmp_path):
+    """The documented command's shape (docs/distillation.md): the student on the session's server,
+    a teacher of other weights loaded in the trainer, reverse KL over the whole vocabulary."""
+    from lit_rl.modules.model_loading import load_causal_lm
+    from test_cli import metrics_rows, run
+    from test_online_eval import restore_shared_server
+
+    teacher = tmp_path / "teacher"
+    load_causal_lm(TINY_MODEL, random_init=True, seed=1).save_pretrained(teacher)
+    TOK.save_pretrained(teacher)
+    root = tmp_path / "run"
+    try:
+        out = run(opd_args(root, data, str(vllm_server.model_dir), 4, "--inference.base_url", vllm_server.base_url,
+                           "--inference.server", "{}", "--inference.teacher_model", "null", "--inference.teacher_server", "{}",
+                           "--model.init_args.teacher_model", str(teacher), "--model.init_args.divergence", "reverse_kl",
+                           "--model.init_args.optimizer.init_args.lr", "0.003", "--trainer.log_every_n_steps", "1"))
+    finally:
+        restore_shared_server(vllm_server)
+    assert out.returncode == 0, out.stderr[-4000:]
+    divergence = [float(r["train/divergence"]) for r in metrics_rows(root) if r.get("train/divergence")]
+    assert len(divergence) == 4 and divergence[-1] < 0.8 * divergence[0], divergence
+    assert not (root / "vllm_teacher.log").exists()  # no teacher server was started
