@@ -13,6 +13,7 @@ What counts as a user error is deliberately narrow:
   problem of its config;
 - an `OSError` raised inside transformers / huggingface_hub (a model or tokenizer loaded by
   code that does not go through lit_rl/model_names.py, say a user's own environment);
+- Lightning's `FileNotFoundError` for a `--ckpt_path` that does not exist;
 - `ValueError`s raised while the config's classes are built (their `__init__` checks
   argument values) and Lightning's `MisconfigurationException`, both wrapped into a
   `UserError` where they happen (lit_rl/cli.py).
@@ -62,6 +63,9 @@ def user_message(exc: BaseException) -> str | None:
         return str(exc)
     if type(exc) is ValueError and str(exc).startswith(("StaticDataModule: ", "RolloutDataModule: ")):
         return str(exc)
+    if isinstance(exc, FileNotFoundError) and str(exc).startswith("Checkpoint file not found"):
+        return (f"{exc}\nfix: --ckpt_path last resumes the newest checkpoint of trainer.default_root_dir; "
+                "otherwise give the path of an existing .ckpt")
     if isinstance(exc, OSError) and _raised_in(exc, ("transformers", "huggingface_hub")):
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return f"cannot load a model or tokenizer: {first}\n{HUB_FIX}"

@@ -64,15 +64,15 @@ def test_fit_runs_end_to_end_and_reruns_into_same_dir(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
 
 
-def test_validate_reports_val_loss(tmp_path):
+def test_validate_reports_val_loss(tmp_path, lit_rl_main):
     data = write_jsonl(tmp_path / "val.jsonl", reverse_rows(12))
-    out = run(["validate", "--config", CONFIG, "--data.init_args.path", data, "--data.init_args.val_path", data,
-               "--data.init_args.num_workers", "0", "--trainer.default_root_dir", str(tmp_path / "run")])
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "val/loss" in out.stdout
-    missing = run(["validate", "--config", CONFIG, "--data.init_args.path", data, "--data.init_args.val_path", "",
-                   "--data.init_args.num_workers", "0", "--trainer.default_root_dir", str(tmp_path / "run")])
-    assert missing.returncode != 0 and "val_path" in missing.stderr
+    code, stdout, stderr = lit_rl_main(["validate", "--config", CONFIG, "--data.init_args.path", data, "--data.init_args.val_path",
+                                        data, "--data.init_args.num_workers", "0", "--trainer.default_root_dir", str(tmp_path / "run")])
+    assert code == 0, stderr[-3000:]
+    assert "val/loss" in stdout
+    code, _, stderr = lit_rl_main(["validate", "--config", CONFIG, "--data.init_args.path", data, "--data.init_args.val_path", "",
+                                   "--data.init_args.num_workers", "0", "--trainer.default_root_dir", str(tmp_path / "run")])
+    assert code != 0 and "val_path" in stderr
 
 
 def test_print_config_shows_overrides_and_env(lit_rl_main, monkeypatch):

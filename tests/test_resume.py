@@ -68,27 +68,27 @@ def test_resume_equals_uninterrupted(runs):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_resume_at_max_steps_ends_at_once(runs):
+def test_resume_at_max_steps_ends_at_once(runs, lit_rl_main):
     _, data, _, split = runs
     before = snapshot(split)
     trained = losses(split)
-    out = run(fit(split, data, 6, "--ckpt_path", "last"))
-    assert out.returncode == 0, out.stderr[-3000:]
+    code, _, stderr = lit_rl_main(fit(split, data, 6, "--ckpt_path", "last"))
+    assert code == 0, stderr[-3000:]
     assert losses(split) == trained  # no step was trained
     assert {k: v for k, v in snapshot(split).items() if "weights" in k} == {k: v for k, v in before.items() if "weights" in k}
 
 
-def test_missing_checkpoint_is_refused_before_anything_changes(runs):
+def test_missing_checkpoint_is_refused_before_anything_changes(runs, lit_rl_main):
     _, data, _, split = runs
     before = snapshot(split)
     missing = str(split / "checkpoints" / "nope.ckpt")
-    out = run(fit(split, data, 8, "--ckpt_path", missing))
-    assert out.returncode != 0
-    assert "nope.ckpt" in out.stderr
+    code, _, stderr = lit_rl_main(fit(split, data, 8, "--ckpt_path", missing))
+    assert code == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert f"Checkpoint file not found: {missing}" in stderr and "fix: --ckpt_path last" in stderr
     assert snapshot(split) == before
 
 
-def test_checkpoint_of_another_model_is_refused(runs, tmp_path):
+def test_checkpoint_of_another_model_is_refused(runs, tmp_path, lit_rl_main):
     _, data, _, split = runs
     other = tmp_path / "other_model"
     other.mkdir()
@@ -98,9 +98,9 @@ def test_checkpoint_of_another_model_is_refused(runs, tmp_path):
     config["hidden_size"] = 128
     (other / "config.json").write_text(json.dumps(config))
     before = snapshot(split)
-    out = run(fit(split, data, 8, "--ckpt_path", "last", "--model.init_args.model", str(other)))
-    assert out.returncode != 0
-    assert "another model" in out.stderr and "hidden_size: checkpoint 256 vs model 128" in out.stderr
+    code, _, stderr = lit_rl_main(fit(split, data, 8, "--ckpt_path", "last", "--model.init_args.model", str(other)))
+    assert code == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert "another model" in stderr and "hidden_size: checkpoint 256 vs model 128" in stderr
     assert snapshot(split) == before
 
 

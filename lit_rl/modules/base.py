@@ -29,6 +29,7 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
+from lit_rl.errors import ConfigError
 from lit_rl.chunked_head import DEFAULT_CHUNK_SIZE, selected_cross_entropy_sum, selected_token_logprobs
 from lit_rl.losses import masked_cross_entropy_sum, shifted_token_logprobs, token_entropy
 from lit_rl.modules.model_loading import load_causal_lm
@@ -155,12 +156,12 @@ class CausalLMModule(TrainingStep, L.LightningModule):
         """Refuse, before anything is loaded or trained, a checkpoint of another architecture."""
         saved = checkpoint.get("lit_rl")
         if saved is None:
-            raise ValueError("this checkpoint was not written by lit-rl (no 'lit_rl' entry); cannot resume from it")
+            raise ConfigError("this checkpoint was not written by lit-rl (no 'lit_rl' entry); cannot resume from it")
         ours = self._architecture()
         diff = {k: (saved["architecture"].get(k), ours.get(k)) for k in ours if saved["architecture"].get(k) != ours.get(k)}
         if diff:
             lines = ", ".join(f"{k}: checkpoint {a} vs model {b}" for k, (a, b) in diff.items())
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint is of another model ({saved['model']}) than this run's ({self.model_name}): {lines}"
             )
 
