@@ -311,7 +311,7 @@ def trl_worker(spec_path: str) -> None:
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, optim="adamw_torch",
         max_grad_norm=1.0, max_steps=spec["steps"], logging_steps=1, report_to="none", save_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0, seed=spec["seed"],
-        model_init_kwargs={"dtype": torch.float32}, teacher_model_init_kwargs={"dtype": torch.float32},
+        model_init_kwargs={"dtype": "float32"}, teacher_model_init_kwargs={"dtype": "float32"},
     )
     trainer = DistillationTrainer(model=spec["student"], teacher_model=spec["teacher"], args=config,
                                   train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
