@@ -102,7 +102,7 @@ class CausalLMModule(TrainingStep, L.LightningModule):
         self.torch_compile = torch_compile
         self.head_chunk_size = head_chunk_size
         self.sharding = sharding or FSDP2Options()
-        self._head_is_plain: bool | None = None  # does the model's forward apply its head and nothing else?
+        self._head_is_plain: dict[int, bool] = {}  # per model (id): does its forward apply its head and nothing else?
         self.model = None  # built in configure_model
         self.automatic_optimization = False
         self._last_step_end: float | None = None
@@ -166,39 +166,45 @@ class CausalLMModule(TrainingStep, L.LightningModule):
             )
 
     # ---- the model's outputs at trained positions only ---------------------------------------
-    def logits(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    # `model`: the trained model by default; a frozen one beside it (OPD's teacher in process) otherwise.
+    def logits(self, micro_batch: dict[str, torch.Tensor], model=None) -> torch.Tensor:
         """Full logits [B, T, V] from the model's own forward: for inspection and models whose
         forward transforms its logits; training uses the head at trained positions instead."""
         # use_cache=False: only then does transformers read packed documents from position_ids.
-        out = self.model(input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"], use_cache=False)
+        out = (model or self.model)(input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"],
+                                    use_cache=False)
         return out.logits
 
-    def _hidden_states(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _hidden_states(self, micro_batch: dict[str, torch.Tensor], model=None) -> torch.Tensor:
         """The decoder body's final (normed) hidden states [B, T, H]."""
-        return body(self.model)(input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"], use_cache=False).last_hidden_state
+        return body(model or self.model)(input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"],
+                                         use_cache=False).last_hidden_state
 
-    def _uses_plain_head(self, micro_batch: dict[str, torch.Tensor]) -> bool:
+    def _uses_plain_head(self, micro_batch: dict[str, torch.Tensor], model=None) -> bool:
         """Whether the model's logits are exactly its output head applied to the body's hidden
-        states, checked once on a few tokens (soft-capping or logit scaling would differ)."""
-        if self._head_is_plain is None:
+        states, checked once per model on a few tokens (soft-capping or logit scaling would differ)."""
+        model = model or self.model
+        if id(model) not in self._head_is_plain:
             probe = {k: micro_batch[k][:1, :8] for k in ("input_ids", "position_ids")}
             with torch.no_grad():
-                head = self.model.get_output_embeddings()
-                ours = head(self._hidden_states(probe)).float()
-                theirs = self.logits(probe).float()
-            self._head_is_plain = ours.shape == theirs.shape and torch.allclose(ours, theirs, rtol=1e-3, atol=1e-3)
-            if not self._head_is_plain:
+                head = model.get_output_embeddings()
+                ours = head(self._hidden_states(probe, model)).float()
+                theirs = self.logits(probe, model).float()
+            plain = ours.shape == theirs.shape and torch.allclose(ours, theirs, rtol=1e-3, atol=1e-3)
+            self._head_is_plain[id(model)] = plain
+            if not plain:
                 log.warning(
                     "%s transforms its logits beyond the output head (e.g. soft-capping); lit-rl computes the "
-                    "full logits for it (more memory and time with a large vocabulary)", type(self.model).__name__
+                    "full logits for it (more memory and time with a large vocabulary)", type(model).__name__
                 )
-        return self._head_is_plain
+        return self._head_is_plain[id(model)]
 
-    def _trained_positions(self, micro_batch: dict[str, torch.Tensor]):
-        """Hidden states [N, H] at the positions whose next token is trained, and those tokens [N]."""
+    def _trained_positions(self, micro_batch: dict[str, torch.Tensor], model=None):
+        """Hidden states [N, H] at the positions whose next token is trained, those tokens [N], and
+        the model's head (weight, bias)."""
         targets = micro_batch["loss_mask"][:, 1:]  # [B, T-1]
-        hidden = self._hidden_states(micro_batch)[:, :-1][targets]  # [N, H]
-        head = self.model.get_output_embeddings()
+        hidden = self._hidden_states(micro_batch, model)[:, :-1][targets]  # [N, H]
+        head = (model or self.model).get_output_embeddings()
         return hidden, micro_batch["input_ids"][:, 1:][targets], head.weight, head.bias
 
     def target_cross_entropy_sum(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -209,19 +215,19 @@ class CausalLMModule(TrainingStep, L.LightningModule):
         return selected_cross_entropy_sum(hidden, weight, targets, bias=bias, chunk_size=self.head_chunk_size)
 
     def target_logprobs(
-        self, micro_batch: dict[str, torch.Tensor], *, with_entropy: bool = False
+        self, micro_batch: dict[str, torch.Tensor], *, with_entropy: bool = False, model=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probability [B, T] of each trained token given the ones before it (0 where
         loss_mask is False, aligned with `input_ids` like inference logprobs), and optionally
         the entropy [B, T] of the distribution it was predicted from. float32, differentiable."""
         mask = micro_batch["loss_mask"].clone()  # [B, T]
         mask[:, 0] = False  # a row's first token is predicted from nothing
-        if not self._uses_plain_head(micro_batch):
-            logits = self.logits(micro_batch)  # [B, T, V]
+        if not self._uses_plain_head(micro_batch, model):
+            logits = self.logits(micro_batch, model)  # [B, T, V]
             logprobs = shifted_token_logprobs(logits, micro_batch["input_ids"]) * mask  # [B, T]
             entropy = token_entropy(logits) * mask if with_entropy else None  # [B, T]
             return logprobs, entropy
-        hidden, targets, weight, bias = self._trained_positions(micro_batch)
+        hidden, targets, weight, bias = self._trained_positions(micro_batch, model)
         lp, ent = selected_token_logprobs(
             hidden, weight, targets, bias=bias, chunk_size=self.head_chunk_size, with_entropy=with_entropy
         )  # [N], [N]

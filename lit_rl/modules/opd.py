@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import torch
 
-from lit_rl.chunked_head import selected_divergence_sum, selected_token_logprobs
+from lit_rl.chunked_head import selected_divergence_sum
 from lit_rl.errors import ConfigError
 from lit_rl.losses import (OPD_METRICS, check_behaviour_options, check_divergence_options, divergence_beta,
                            opd_loss_sums, token_divergence)
 from lit_rl.modules.base import CausalLMModule
 from lit_rl.modules.model_loading import load_causal_lm
-from lit_rl.sharding import apply_fsdp2, body, is_sharded
+from lit_rl.sharding import apply_fsdp2, is_sharded
 
 
 class OPD(CausalLMModule):
@@ -146,28 +146,16 @@ class OPD(CausalLMModule):
         if problem:
             raise ConfigError(f"OPD: model.teacher_model {self.teacher_model} {problem}")
 
-    def _teacher_at_trained_positions(self, micro_batch: dict[str, torch.Tensor]):
-        """The teacher's hidden states [N, Ht] where the student's next token is trained, and its head."""
-        with torch.no_grad():
-            targets = micro_batch["loss_mask"][:, 1:]  # [B, T-1]
-            hidden = body(self.teacher)(input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"],
-                                        use_cache=False).last_hidden_state[:, :-1][targets]  # [N, Ht]
-        head = self.teacher.get_output_embeddings()
-        return hidden, head.weight, head.bias
-
-    def _teacher_logits(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        with torch.no_grad():
-            return self.teacher(input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"],
-                                use_cache=False).logits  # [B, T, V]
-
     # ---- the loss ---------------------------------------------------------------------------------
     def micro_batch_loss_sum(self, micro_batch: dict[str, torch.Tensor]):
         if "logprobs" not in micro_batch:
             raise ValueError("OPD trains on the student's own samples with their sampling logprobs; use a RolloutDataModule")
         if self.dense:
             return self._dense_loss_sum(micro_batch)
-        if self.teacher is not None:
-            micro_batch = {**micro_batch, "teacher_logprobs": self._teacher_token_logprobs(micro_batch)}
+        if self.teacher is not None:  # the teacher's logprob of each trained token, as a teacher server gives it
+            with torch.no_grad():
+                teacher_logprobs, _ = self.target_logprobs(micro_batch, model=self.teacher)  # [B, T]
+            micro_batch = {**micro_batch, "teacher_logprobs": teacher_logprobs}
         elif "teacher_logprobs" not in micro_batch:
             raise ValueError("OPD: the samples carry no teacher_logprobs: set inference.teacher_model or "
                              "inference.teacher_base_url (a teacher server), or model.teacher_model")
@@ -180,31 +168,19 @@ class OPD(CausalLMModule):
         )
         return loss_sum, self.token_means(sums, OPD_METRICS, entropy, mask)
 
-    def _teacher_token_logprobs(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The in-process teacher's logprob [B, T] of each trained token (0 elsewhere), like a server's."""
-        mask = micro_batch["loss_mask"].clone()  # [B, T]
-        mask[:, 0] = False
-        if self._uses_plain_head(micro_batch):
-            hidden, weight, bias = self._teacher_at_trained_positions(micro_batch)
-            with torch.no_grad():
-                lp, _ = selected_token_logprobs(hidden, weight, micro_batch["input_ids"][:, 1:][mask[:, 1:]],
-                                                bias=bias, chunk_size=self.head_chunk_size)  # [N]
-            return torch.zeros(mask.shape, dtype=lp.dtype, device=lp.device).masked_scatter(mask, lp)
-        from lit_rl.losses import shifted_token_logprobs
-
-        return shifted_token_logprobs(self._teacher_logits(micro_batch), micro_batch["input_ids"]) * mask
-
     def _dense_loss_sum(self, micro_batch: dict[str, torch.Tensor]):
         beta = divergence_beta(self.divergence, self.beta)
         targets = micro_batch["loss_mask"][:, 1:]  # [B, T-1]
-        if self._uses_plain_head(micro_batch):
+        if self._uses_plain_head(micro_batch) and self._uses_plain_head(micro_batch, self.teacher):
             hidden, _, weight, bias = self._trained_positions(micro_batch)
-            teacher_hidden, teacher_weight, teacher_bias = self._teacher_at_trained_positions(micro_batch)
+            with torch.no_grad():
+                teacher_hidden, _, teacher_weight, teacher_bias = self._trained_positions(micro_batch, self.teacher)
             loss_sum = selected_divergence_sum(hidden, weight, teacher_hidden, teacher_weight, beta=beta, student_bias=bias,
                                                teacher_bias=teacher_bias, chunk_size=self.head_chunk_size)
         else:  # a model whose forward transforms its logits: the full logits of both
             student = torch.log_softmax(self.logits(micro_batch)[:, :-1][targets].float(), dim=-1)  # [N, V]
-            teacher = torch.log_softmax(self._teacher_logits(micro_batch)[:, :-1][targets].float(), dim=-1)  # [N, V]
+            with torch.no_grad():
+                teacher = torch.log_softmax(self.logits(micro_batch, self.teacher)[:, :-1][targets].float(), dim=-1)
             loss_sum = token_divergence(student, teacher, beta).sum()
         tokens = targets.sum().to(loss_sum)
         return loss_sum, {"divergence": (loss_sum.detach(), tokens)}
