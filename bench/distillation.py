@@ -280,7 +280,6 @@ def trl_worker(spec_path: str) -> None:
 
     warnings.filterwarnings("ignore")
     import datasets
-    import torch
     import transformers
     from transformers import AutoTokenizer, TrainerCallback
     from trl import DistillationConfig, DistillationTrainer

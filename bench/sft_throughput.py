@@ -586,7 +586,7 @@ def summarize(args, runs: dict[Contender, list[dict]], elapsed: float, rows_chec
         if twin is not None:
             comparisons.append({"what": "plain_selected_head_vs_full_head", "a": twin.name, "b": c.name,
                                 "ratio": tps[twin.name] / tps[c.name]})
-    lit_padded, lit_packed = best("lit", "padded"), best("lit", "packed")
+    lit_padded = best("lit", "padded")
     for c in runs:
         if c.kind == "lit" and c.layout == "packed" and lit_padded:
             comparisons.append({"what": "lit_padded_vs_packed", "a": lit_padded, "b": c.name, "ratio": tps[lit_padded] / tps[c.name]})

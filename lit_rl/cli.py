@@ -204,6 +204,12 @@ def run_command(args: list[str], argv: list[str] | None) -> None:
         signum = int(stopping.stopped_by or 15)
         print(stopping.summary(signum), file=sys.stderr, flush=True)
         raise SystemExit(128 + signum) from None
+    except (KeyboardInterrupt, SystemExit):
+        # a second Ctrl-C (Lightning turns one that lands mid-step into exit 1)
+        if not stopping.aborted:
+            raise
+        print(stopping.aborted_summary(), file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
 
 
 def main(argv: list[str] | None = None) -> None:

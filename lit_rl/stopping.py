@@ -1,8 +1,10 @@
 """Graceful stops of a training run: a SIGTERM or a first Ctrl-C never loses work.
 
 Lightning turns SIGTERM into `trainer.received_sigterm` (`RunCheckpoint` does the same for the
-first Ctrl-C; a second one aborts at once), and its loop raises `SIGTERMException` at the end of
-the current step. A run with inference servers has more places that wait on a server, and the
+first Ctrl-C), and its loop raises `SIGTERMException` at the end of the current step. A second
+Ctrl-C aborts at once (`abort_now`), even mid-save: the servers are still stopped, the checkpoint
+being written is dropped (it is written under a temporary name, so the last one stays whole), and
+the exit is 130 with a line naming the last checkpoint there is (`aborted_summary`). A run with inference servers has more places that wait on a server, and the
 servers may be going down at the same moment (a scheduler's SIGTERM often reaches every process
 of the job), so the rules are:
 
@@ -35,11 +37,22 @@ log = logging.getLogger(__name__)
 stopped_by: int | None = None
 saved_checkpoint: str | None = None
 stopped_at_step: int | None = None
+#: a second Ctrl-C cut the stop short; the newest checkpoint there is then, and its step
+aborted: bool = False
+latest_checkpoint: tuple[str, int] | None = None
 
 
-def reset() -> None:
-    global stopped_by, saved_checkpoint, stopped_at_step
+def reset(resumed_from: tuple[str, int] | None = None) -> None:
+    global stopped_by, saved_checkpoint, stopped_at_step, aborted, latest_checkpoint
     stopped_by = saved_checkpoint = stopped_at_step = None
+    aborted, latest_checkpoint = False, resumed_from
+
+
+def abort_now(signum, frame) -> None:
+    """The second Ctrl-C's handler: stop waiting for the graceful stop."""
+    global aborted
+    aborted = True
+    raise KeyboardInterrupt
 
 
 def requested(trainer) -> bool:
@@ -87,3 +100,14 @@ def summary(signum: int) -> str:
         return f"lit-rl: stopped by {name}; no checkpoint was written (checkpointing is off)"
     return (f"lit-rl: stopped by {name} after step {stopped_at_step}; resumable checkpoint: {saved_checkpoint}; "
             "resume: the same command with --ckpt_path last")
+
+
+def aborted_summary() -> str:
+    """The last line of a run a second Ctrl-C aborted."""
+    if saved_checkpoint is not None:
+        return summary(signal.SIGINT) + " (the second Ctrl-C only cut the shutdown short)"
+    if latest_checkpoint is None:
+        return "lit-rl: aborted by a second Ctrl-C before any checkpoint of this run was written"
+    path, step = latest_checkpoint
+    return (f"lit-rl: aborted by a second Ctrl-C before the stop's checkpoint was written; the last checkpoint is "
+            f"{path} (step {step}); resume: the same command with --ckpt_path last")

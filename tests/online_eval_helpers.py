@@ -1,8 +1,10 @@
-"""Test-only pieces the trainer or evaluator process imports by class path."""
+"""Test-only pieces the trainer or evaluator process imports by class path (tests/ on PYTHONPATH)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import shutil
 import time
 from pathlib import Path
@@ -73,3 +75,29 @@ def evaluator_processes(root: Path) -> list[int]:
         if str(root) in cmd and ("lit_rl.cli evaluate" in cmd or "lit_rl.inference.vllm_main" in cmd):
             found.append(p.info["pid"])
     return found
+
+
+class SlowStopSave(L.Callback):
+    """Makes the checkpoint of a graceful stop take ten minutes (its start marked by the file
+    `marker`), so a test can press Ctrl-C a second time while it is being written."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        if trainer.received_sigterm:
+            Path(self.marker).touch()
+            time.sleep(600)
+
+
+class CtrlCTwice(L.Callback):
+    """Presses Ctrl-C twice in a row (SIGINT to this process) as step `step` starts: the second
+    lands mid-step, before the first could stop the run."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)

@@ -7,6 +7,7 @@ Through the real CLI with real vLLM servers, at seeded moments:
   weight sync; the evaluator stops only after the checkpoint is written.
 - OPD with a teacher lit-rl starts: SIGTERM to the whole job (the trainer's process group and
   the teacher's, as a cluster scheduler does), whatever the trainer is doing at that moment.
+  Resumed, it is stopped by two Ctrl-C: the second aborts the first's save at once.
 - SFT on a teacher's completions: Ctrl-C, then resume.
 """
 
@@ -40,8 +41,10 @@ def data(tmp_path_factory):
 
 
 def start(args: list[str]) -> subprocess.Popen:
-    """The CLI in its own process group (as a job under a scheduler), output captured."""
-    return subprocess.Popen(LIT_RL + args, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, text=True,
+    """The CLI in its own process group (as a job under a scheduler), output captured; the
+    test-only callbacks of tests/ importable by class path."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO / "tests")}
+    return subprocess.Popen(LIT_RL + args, cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 
@@ -202,10 +205,33 @@ def test_sigterm_to_the_whole_opd_job_saves_and_resumes(vllm_server, data, tmp_p
     assert all(float(r["train/reverse_kl"]) > 0.5 and float(r["rollout/teacher_s_per_group"]) > 0 for r in rows)
     assert (root / "vllm_teacher.log").is_file() and not processes_of(teacher) and not processes_of(root)
 
+    # Resumed, then Ctrl-C, then Ctrl-C again while the first one's checkpoint is being written (a
+    # save made to take ten minutes): the second aborts at once, exit 130 naming the checkpoint
+    # there still is (the SIGTERM's, untouched), the teacher stopped all the same.
+    saving, ckpt = tmp_path / "saving", root / "checkpoints" / "last.ckpt"
+    slow = json.dumps({"class_path": "online_eval_helpers.SlowStopSave", "init_args": {"marker": str(saving)}})
+    before = ckpt.read_bytes()
+    proc = start(args(STEPS, "--ckpt_path", "last", "--inference.teacher_model", str(teacher),
+                      "--trainer.callbacks+", slow))
+    wait_for(proc, lambda: len(trace.read_text().splitlines()) > step, f"step {step + 1}")
+    os.killpg(proc.pid, signal.SIGINT)
+    wait_for(proc, saving.exists, "the stop's checkpoint")
+    err, took = stop_and_wait(proc, [proc.pid], signal.SIGINT)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-4000:]
+    last = err.strip().splitlines()[-1]
+    assert "aborted by a second Ctrl-C before the stop's checkpoint was written" in last, err[-3000:]
+    assert f"{ckpt} (step {step})" in last and "--ckpt_path last" in last, last
+    print(f"second Ctrl-C: exit 130 {took:.1f} s after it")
+    assert took < 30, f"{took:.0f} s from the second Ctrl-C to the exit"
+    assert ckpt.read_bytes() == before and not list(ckpt.parent.glob("*.part"))
+    assert not processes_of(teacher) and not processes_of(root)
+
     out = run(args(STEPS, "--ckpt_path", "last", "--inference.teacher_model", "null",
                    "--inference.teacher_server", "{}", "--inference.teacher_base_url", vllm_server.base_url))
     assert out.returncode == 0, out.stderr[-4000:]
     assert_resumed_exactly(root, step, STEPS, group_size=2, max_staleness=1)
+    rolled_back = [json.loads(line)["step"] for line in open(root / "rollouts" / "trained.rolled_back.jsonl")]
+    assert rolled_back and rolled_back[0] == step, rolled_back  # the aborted run's steps, set aside
 
 
 def test_ctrl_c_during_sft_on_a_teachers_completions_saves_and_resumes(vllm_server, data, tmp_path):

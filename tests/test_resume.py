@@ -104,6 +104,26 @@ def test_checkpoint_of_another_model_is_refused(runs, tmp_path, lit_rl_main):
     assert snapshot(split) == before
 
 
+def test_a_second_ctrl_c_mid_step_aborts_at_once(tmp_path, lit_rl_main):
+    """Two Ctrl-C as step 3 starts: the run ends inside that step (the first alone would finish it
+    and save), exit 130, the last line names the checkpoint of step 2, which stays as it was."""
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(64))
+    root = tmp_path / "run"
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        code, _, stderr = lit_rl_main(fit(root, data, 10, "--trainer.callbacks+=online_eval_helpers.CtrlCTwice",
+                                          "--trainer.callbacks.step=3", "--trainer.callbacks+=lit_rl.callbacks.RunCheckpoint",
+                                          "--trainer.callbacks.every_n_train_steps=1"))
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert code == 130 and "Traceback" not in stderr, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    ckpt = root / "checkpoints" / "last.ckpt"
+    assert f"aborted by a second Ctrl-C before the stop's checkpoint was written; the last checkpoint is {ckpt} (step 3)" in last, last
+    assert torch.load(ckpt, weights_only=False, map_location="cpu")["global_step"] == 3
+    assert max(losses(root)) == 2  # step 3 (the fourth) was never finished
+
+
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_saves_a_resumable_checkpoint(tmp_path, sig, code):
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(64))

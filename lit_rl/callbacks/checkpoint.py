@@ -10,7 +10,8 @@ folder with one file per rank; it is written and renamed the same way, the old f
 set aside until the new one is in place.
 
 Ctrl-C is made graceful: the first press finishes the current optimizer step, saves and
-exits (code 130); a second press aborts at once. SIGTERM does the same (code 143). In a run
+exits (code 130); a second press aborts at once, even mid-save (the last whole checkpoint
+stays; the exit line names it). SIGTERM does the same (code 143). In a run
 with inference servers the save comes before any server stops (`lit_rl.stopping`).
 """
 
@@ -74,10 +75,16 @@ class RunCheckpoint(ModelCheckpoint):
             if trainer.is_global_zero:
                 shutil.rmtree(partial)
             trainer.strategy.barrier("run_checkpoint_clean")
-        trainer.save_checkpoint(partial, self.save_weights_only)
+        try:
+            trainer.save_checkpoint(partial, self.save_weights_only)
+        except BaseException:  # e.g. a second Ctrl-C: no half-written file is left beside last.ckpt
+            if os.path.isfile(partial):
+                os.remove(partial)
+            raise
         if trainer.is_global_zero:
             _replace(partial, filepath)
         trainer.strategy.barrier("run_checkpoint")
+        stopping.latest_checkpoint = (filepath, trainer.global_step)
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
         if trainer.is_global_zero:
@@ -105,13 +112,14 @@ class RunCheckpoint(ModelCheckpoint):
 
     # ---- graceful stops ----------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
-        stopping.reset()
+        resumed = trainer.ckpt_path if trainer.ckpt_path and os.path.exists(trainer.ckpt_path) else None
+        stopping.reset(resumed_from=(resumed, trainer.global_step) if resumed else None)
 
         def first_ctrl_c(signum, frame):
             stopping.stopped_by = signal.SIGINT
             rank_zero_info("\nCtrl-C: finishing this step, saving a checkpoint, then stopping (Ctrl-C again aborts now)")
             trainer._signal_connector.received_sigterm = True  # Lightning stops at the end of the step
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGINT, stopping.abort_now)
 
         try:
             self._previous_sigint = signal.signal(signal.SIGINT, first_ctrl_c)

@@ -41,7 +41,7 @@ from lit_rl.data.datamodules import PACKING_MODES, resolve_tokenizer_name
 from lit_rl.data.mixing import build_mixed_step
 from lit_rl.data.rank_share import from_wire, rank_share, to_wire
 from lit_rl.data.replay import ReplayMix, ReplaySource
-from lit_rl.data.rollout_traces import rollout_stats, trace_batch, trace_share
+from lit_rl.data.rollout_traces import rewind_traces, rollout_stats, trace_batch, trace_share
 from lit_rl.data.samples import SAMPLERS
 from lit_rl.data.step_builder import build_step
 from lit_rl.inference.runtime import InferenceRuntime
@@ -148,6 +148,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.runtime: InferenceRuntime | None = None  # the run's servers (found at setup)
         self.rollouts: ThreadedRolloutBuffer | None = None
         self._saved_state: dict | None = None
+        self._traces_rewound = False
 
     # ---- set-up and validation ---------------------------------------------------------------
     def option_problems(self) -> list[str]:
@@ -302,6 +303,9 @@ class RolloutDataModule(L.LightningDataModule):
         """Collective under several ranks: rank 0 draws the batch, every rank takes its share."""
         trainer = self.trainer
         wait_start = time.perf_counter()
+        if not self._traces_rewound:  # the first step of this run (resumed or not)
+            rewind_traces(self._root(), trainer.global_step, trainer.global_rank)
+            self._traces_rewound = True
         payload = None
         if trainer.is_global_zero:
             batch = self._wait_for_batch()

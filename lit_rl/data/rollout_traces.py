@@ -2,7 +2,10 @@
 rollout statistics logged as `train/<name>`.
 
 Traces are for people reading a run (which task, policy version, reward, completion) and for
-tests that check no sample is trained twice across a resume or by two ranks.
+tests that check no sample is trained twice across a resume or by two ranks. A run resumed from
+a checkpoint older than its traces (a crash or an aborted stop after the last save) trained those
+later steps into weights it no longer has: their lines move to `*.rolled_back.jsonl`
+(`rewind_traces`), so the traces say what the weights were trained on and nothing is deleted.
 """
 
 from __future__ import annotations
@@ -10,6 +13,21 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+
+
+def rewind_traces(root: Path, step: int, rank: int) -> None:
+    """Move the lines of steps >= `step` out of this rank's traces (rank 0: also the batch trace)."""
+    names = [f"trained_rank{rank}.jsonl"] + (["trained.jsonl"] if rank == 0 else [])
+    for name in names:
+        path = root / "rollouts" / name
+        if not path.is_file():
+            continue
+        lines = path.read_text().splitlines(keepends=True)
+        later = [line for line in lines if json.loads(line)["step"] >= step]
+        if later:
+            with open(path.with_suffix(".rolled_back.jsonl"), "a") as f:
+                f.writelines(later)
+            path.write_text("".join(line for line in lines if json.loads(line)["step"] < step))
 
 
 def trace_batch(root: Path, step: int, batch, replay: dict) -> None:

@@ -322,8 +322,10 @@ class InferenceRuntime(L.Callback):
         self.stop()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        stopping.save_before_stopping(trainer, exception)
-        self.stop()
+        try:
+            stopping.save_before_stopping(trainer, exception)
+        finally:  # a second Ctrl-C during that save still stops every server
+            self.stop()
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self.stop()
