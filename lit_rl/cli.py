@@ -197,6 +197,7 @@ def run_command(args: list[str], argv: list[str] | None) -> None:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise UserError(f"unknown command {name!r}{hint}; the commands are {', '.join(COMMANDS)} (lit-rl --help)")
     quiet_dependency_chatter()
+    stopping.reset()  # a stop or abort of an earlier run in this process is not this one's
     try:
         LitRLCLI(args=argv)
     except SIGTERMException:
