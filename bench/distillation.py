@@ -18,10 +18,17 @@ with real vLLM servers:
   opd_reverse_kl, opd_forward_kl, opd_jsd
                `opd.yaml` with the teacher in the trainer's process (`model.teacher_model`) and
                that divergence over the whole vocabulary (`opd_jsd`: beta 0.5).
+  opd_topk_reverse_kl, opd_topk_forward_kl, opd_topk_jsd
+               `opd.yaml` with the teacher on its own vLLM server returning its top 20 tokens per
+               position (`teacher_top_k`), that divergence over them and a tail bin.
   trl          TRL's `DistillationTrainer` (a child process): on-policy, beta 1.0 (reverse KL over
                the whole vocabulary), teacher in process, `use_vllm=False`, opd.yaml's lr and AdamW
                (no weight decay, constant rate, clipping at 1.0), 64 completions per step (16 x 4
                accumulated), at most 48 new tokens, temperature 1, float32, no gradient checkpointing.
+
+A lit-rl method may carry modifiers after a `+` (`opd_topk_reverse_kl+group1+fresh`): `group1`
+samples one completion per task (64 tasks a step instead of 16 x 4, as TRL's batch is), `fresh`
+sets `max_staleness` 0 (every sample from the current weights, as TRL's are).
 
 Each runs `lit-rl fit` for `--minutes` of training (Lightning's `max_time`; the run's wall time,
 servers' start-up included, is reported beside it) with an HF export every `--every` steps. Afterwards every export
@@ -75,10 +82,19 @@ CONFIGS = {
     "opd_reverse_kl": (OPD, "OPD, reverse KL over the vocabulary, teacher in process"),
     "opd_forward_kl": (OPD, "OPD, forward KL over the vocabulary, teacher in process"),
     "opd_jsd": (OPD, "OPD, JSD beta 0.5 over the vocabulary, teacher in process"),
+    "opd_topk_reverse_kl": (OPD, "OPD, reverse KL over the teacher server's top 20 + tail"),
+    "opd_topk_forward_kl": (OPD, "OPD, forward KL over the teacher server's top 20 + tail"),
+    "opd_topk_jsd": (OPD, "OPD, JSD beta 0.5 over the teacher server's top 20 + tail"),
     "trl": (None, "TRL DistillationTrainer (beta 1, teacher in process)"),
 }
 NO_TEACHER = ("grpo", "grpo_replay")
 IN_PROCESS = {"opd_reverse_kl": "reverse_kl", "opd_forward_kl": "forward_kl", "opd_jsd": "jsd"}
+SERVED_TOPK = {f"opd_topk_{d}": d for d in ("reverse_kl", "forward_kl", "jsd")}
+MODIFIERS = {"group1": ["--data.init_args.group_size", "1"], "fresh": ["--data.init_args.max_staleness", "0"]}
+
+
+def base_method(method: str) -> str:
+    return method.split("+")[0]
 HELD_OUT = os.path.join(REPO, "examples", "reverse_text", "data", "test.jsonl")
 
 
@@ -98,9 +114,10 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = set(args.methods) - set(CONFIGS)
+    unknown = {m for m in args.methods if base_method(m) not in CONFIGS
+               or any(x not in MODIFIERS for x in m.split("+")[1:]) or (m != base_method(m) and base_method(m) == "trl")}
     if unknown:
-        p.error(f"unknown methods {sorted(unknown)}; known: {list(CONFIGS)}")
+        p.error(f"unknown methods {sorted(unknown)}; known: {list(CONFIGS)}, lit-rl's with +{'/+'.join(MODIFIERS)}")
     for what in ("student", "teacher"):
         if not os.path.isfile(os.path.join(getattr(args, what), "STABLE")):
             p.error(f"--{what} {getattr(args, what)} is not a finished checkpoint; bash examples/reverse_text/run_opd_demo.sh makes both")
@@ -109,7 +126,7 @@ def parse_args(argv=None):
 
 def method_config(args, method: str, root: str) -> str:
     """The example's config with an HF export every `--every` steps, all kept (written beside the run)."""
-    config, _ = CONFIGS[method]
+    config, _ = CONFIGS[base_method(method)]
     with open(os.path.join(REPO, config)) as f:
         data = yaml.safe_load(f)
     callbacks = [c for c in data["trainer"]["callbacks"] if not c["class_path"].endswith("HFExport")]
@@ -127,9 +144,10 @@ def teacher_flags(args, method: str) -> list[str]:
                   args.teacher]
     if method in IN_PROCESS:
         return in_process + ["--model.init_args.divergence", IN_PROCESS[method]]
-    if method == "opd_sampled":
+    if method == "opd_sampled" or method in SERVED_TOPK:
         return ["--inference.teacher_model", args.teacher, "--model.init_args.teacher_model", "null",
-                "--model.init_args.divergence", "sampled_reverse_kl"]
+                "--model.init_args.divergence", SERVED_TOPK.get(method, "sampled_reverse_kl"),
+                "--model.init_args.teacher_top_k", "20"]
     if method == "opd":  # as the example has it
         with open(os.path.join(REPO, OPD)) as f:
             example = yaml.safe_load(f)
@@ -151,7 +169,8 @@ def train_method(args, method: str, root: str) -> float:
         minutes = int(args.minutes)
         seconds = int(round((args.minutes - minutes) * 60))
         cmd += ["--trainer.max_time", f"00:00:{minutes:02d}:{seconds:02d}", "--trainer.max_steps", "100000"]
-    cmd += teacher_flags(args, method)
+    cmd += teacher_flags(args, base_method(method))
+    cmd += [flag for modifier in method.split("+")[1:] for flag in MODIFIERS[modifier]]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     started = time.perf_counter()
     with open(root + ".log", "w") as log:
@@ -196,7 +215,8 @@ def run_method(args, method: str, student: dict) -> dict:
         curve.append({"step": step, **s})
         evals.log(step, {"eval/held_out/greedy_reward": s["reward"], "eval/held_out/sampled_reward": s["sampled_reward"]})
         print(f"{method} step {step}: greedy {s['reward']:.3f}, sampled {s['sampled_reward']:.3f}", flush=True)
-    return {"label": CONFIGS[method][1], "wall_s": wall, "curve": curve, **speed}
+    label = CONFIGS[base_method(method)][1] + "".join(f" +{m}" for m in method.split("+")[1:])
+    return {"label": label, "wall_s": wall, "curve": curve, **speed}
 
 
 def first_step_reaching(curve: list[dict], key: str, bar: float) -> int | None:

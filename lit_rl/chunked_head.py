@@ -237,3 +237,43 @@ def selected_divergence_sum(
         total = total + checkpoint(_chunk_divergence, student_hidden[a:b], student_weight, student_bias,
                                    teacher_hidden[a:b], teacher_weight, teacher_bias, beta, use_reentrant=False)
     return total
+
+
+def _chunk_topk_divergence(student_h, student_w, student_b, topk_ids, teacher_topk_logprobs, beta):
+    """Top-k divergence sum of one chunk of positions; recomputed in backward (`selected_topk_divergence_sum`)."""
+    from lit_rl.losses import token_divergence, topk_bins
+
+    student = torch.log_softmax(_chunk_logits(student_h, student_w, student_b), dim=-1)  # [C, V]
+    return token_divergence(*topk_bins(student, topk_ids, teacher_topk_logprobs), beta).sum()  # []
+
+
+def selected_topk_divergence_sum(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    topk_ids: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
+    *,
+    beta: float,
+    student_bias: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """Sum over positions of `lit_rl.losses.token_divergence` between the student's and a teacher
+    server's distributions coarsened to the teacher's top-k tokens and a tail bin
+    (`lit_rl.losses.topk_bins`).
+
+    student_hidden [N, H], student_weight [V, H], student_bias [V] or None; topk_ids [N, k] (long),
+    teacher_topk_logprobs [N, k]. Differentiable in the student's tensors. Returns a float32 scalar;
+    at most one chunk's `[chunk_size, V]` logits live at once (recomputed in backward).
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    _check(student_hidden, student_weight, student_hidden.new_zeros(student_hidden.shape[0], dtype=torch.long), chunk_size)
+    if topk_ids.shape != teacher_topk_logprobs.shape or topk_ids.shape[0] != student_hidden.shape[0]:
+        raise ValueError(f"the teacher's top-k ids {tuple(topk_ids.shape)} and log-probabilities "
+                         f"{tuple(teacher_topk_logprobs.shape)} must be [positions, k] for {student_hidden.shape[0]} positions")
+    total = 0.0 * (student_hidden.float().sum() + student_weight.float().sum())  # [] tied to the student (as above)
+    for a in range(0, student_hidden.shape[0], chunk_size):
+        b = min(a + chunk_size, student_hidden.shape[0])
+        total = total + checkpoint(_chunk_topk_divergence, student_hidden[a:b], student_weight, student_bias,
+                                   topk_ids[a:b], teacher_topk_logprobs[a:b].detach(), beta, use_reentrant=False)
+    return total

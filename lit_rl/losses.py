@@ -13,6 +13,8 @@ tests/test_opd_loss.py, tests/test_grpo_step.py, tests/test_mixed_step.py).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -344,3 +346,33 @@ def token_divergence(student_logprobs: torch.Tensor, teacher_logprobs: torch.Ten
         return kl(s, t)
     m = torch.logaddexp(s + torch.log1p(torch.tensor(-beta)), t + torch.log(torch.tensor(beta)))  # [N, V]
     return beta * kl(t, m) + (1.0 - beta) * kl(s, m)  # [N]
+
+
+# ---- dense distillation from a teacher server: the teacher's top-k tokens and a tail bin ----------------
+#: the mass added to each distribution's tail bin, so that its log is finite when the top k hold (up to
+#: rounding) all of it; with k = V the divergence then equals the full-vocabulary one to ~1e-7 per position.
+TAIL_FLOOR = 1e-6
+
+
+def topk_bins(student_logprobs: torch.Tensor, topk_ids: torch.Tensor,
+              teacher_topk_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both next-token distributions coarsened to k + 1 bins: the teacher's top-k tokens, then one
+    bin for the rest of the vocabulary, as log-probabilities for `token_divergence`.
+
+    student_logprobs [N, V] (log-normalised over the whole vocabulary), topk_ids [N, k] (long),
+    teacher_topk_logprobs [N, k] (the teacher server's log-probabilities of those tokens). Returns
+    ([N, k + 1], [N, k + 1]) float32: the student's and the teacher's log-probability of each top-k
+    token, then log(tail mass + TAIL_FLOOR), where the tail mass is 1 minus the top-k's mass (the
+    student's computed exactly from its logits outside the top k, the teacher's from its top k).
+    The coarsened divergence is at most the full one (data processing; up to the floor), equal when k = V.
+    """
+    s = student_logprobs.float()  # [N, V]
+    s_top = s.gather(-1, topk_ids)  # [N, k]
+    floor = torch.full_like(s[:, :1], math.log(TAIL_FLOOR))  # [N, 1]
+    # The student's tail from its own logits outside the top k (exact and differentiable, also
+    # when the top k hold nearly everything); the floor column keeps the logsumexp finite.
+    s_tail = torch.logsumexp(torch.cat([s.scatter(-1, topk_ids, float("-inf")), floor], dim=-1), dim=-1, keepdim=True)
+    t_top = teacher_topk_logprobs.float()  # [N, k]
+    t_mass = (-torch.expm1(torch.logsumexp(t_top, dim=-1, keepdim=True))).clamp_min(0.0)  # [N, 1]
+    t_tail = torch.log(t_mass + TAIL_FLOOR)  # [N, 1]
+    return torch.cat([s_top, s_tail], dim=-1), torch.cat([t_top, t_tail], dim=-1)

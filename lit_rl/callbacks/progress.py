@@ -10,7 +10,7 @@ restored step: the time shown is this launch's, and the rate and the remaining t
 the steps taken in this launch only.
 
 It shows the metrics that say how the run is going, when the module logs them: the loss and
-trained tokens/s (SFT), the reward, reverse KL (OPD), staleness and rollout throughput (RL), the validation loss,
+trained tokens/s (SFT), the reward, reverse KL or divergence (OPD), staleness and rollout throughput (RL), the validation loss,
 and whatever the module logs with `prog_bar=True`. Validation bars are Lightning's.
 """
 
@@ -29,6 +29,7 @@ SHOWN = {
     "train/tokens_per_s": ("tok/s", "{:.0f}"),
     "train/reward": ("reward", "{:.3f}"),
     "train/reverse_kl": ("reverse kl", "{:.3f}"),
+    "train/divergence": ("divergence", "{:.3f}"),
     "train/staleness_mean": ("staleness", "{:.2f}"),
     "rollout/tokens_per_s": ("rollout tok/s", "{:.0f}"),
     "val/loss": ("val loss", "{:.4g}"),

@@ -19,7 +19,9 @@ Every micro-batch also carries `sequence_ids`: each token's sample index in the 
 given to `pack_micro_batches` (-1 on padding), so an RL loss can aggregate per sequence
 inside a packed row. The per-token RL fields of Sample (`logprobs`, `advantages`,
 `teacher_logprobs`) come along as float32 tensors of the same shape, but only when some
-sample of the call has them: an SFT step carries no RL tensors.
+sample of the call has them: an SFT step carries no RL tensors. The top-k fields of a teacher
+server (`teacher_topk_ids`, `teacher_topk_logprobs`: k values per token) come along the same way as
+`[rows, width, k]` tensors (long and float32; 0 on padding).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lit_rl.data.samples import PER_TOKEN_FIELDS, Sample
+from lit_rl.data.samples import PER_TOKEN_FIELDS, PER_TOKEN_TOPK_FIELDS, Sample
 
 PAD_ID = 0  # any id works: padded slots are never targets and come after every real token of their row
 Indexed = tuple[int, Sample]  # (index in the list given to pack_micro_batches, sample)
@@ -55,9 +57,11 @@ def _rows_packed(samples: Sequence[Indexed], pack_length: int) -> list[list[Inde
     return rows
 
 
-def _to_tensors(rows: list[list[Indexed]], fields: Sequence[str]) -> dict[str, torch.Tensor]:
+def _to_tensors(rows: list[list[Indexed]], fields: Sequence[str], topk: int = 0) -> dict[str, torch.Tensor]:
     width = max(sum(len(s) for _, s in row) for row in rows)
     shape = (len(rows), width)
+    per_token_topk = {name: torch.zeros((*shape, topk), dtype=torch.long if name.endswith("_ids") else torch.float32)
+                      for name in (PER_TOKEN_TOPK_FIELDS if topk else ())}  # [rows, width, k]; 0 on padding
     input_ids = torch.full(shape, PAD_ID, dtype=torch.long)  # [rows, width]
     position_ids = torch.zeros(shape, dtype=torch.long)  # [rows, width]
     loss_mask = torch.zeros(shape, dtype=torch.bool)  # [rows, width]
@@ -77,6 +81,10 @@ def _to_tensors(rows: list[list[Indexed]], fields: Sequence[str]) -> dict[str, t
                 values = getattr(s, name)
                 if values is not None:  # a sample lacking the field keeps zeros
                     tensor[r, at : at + n] = torch.as_tensor(values, dtype=torch.float32)  # [n]
+            for name, tensor in per_token_topk.items():
+                values = getattr(s, name)
+                if values is not None:
+                    tensor[r, at : at + n] = torch.as_tensor(values, dtype=tensor.dtype)  # [n, k]
             at += n
         position_ids[r, at:] = torch.arange(n, n + width - at)  # padding: the last document's tail
     return {
@@ -85,7 +93,16 @@ def _to_tensors(rows: list[list[Indexed]], fields: Sequence[str]) -> dict[str, t
         "loss_mask": loss_mask,
         "sequence_ids": sequence_ids,
         **per_token,
+        **per_token_topk,
     }
+
+
+def _topk_width(samples: Sequence[Sample]) -> int:
+    """The k of the samples' top-k fields (0 when none has them); one k per call."""
+    widths = {len(s.teacher_topk_ids[0]) for s in samples if s.teacher_topk_ids}
+    if len(widths) > 1:
+        raise ValueError(f"samples with top-k fields of different k {sorted(widths)} cannot share a step")
+    return widths.pop() if widths else 0
 
 
 def pack_micro_batches(
@@ -96,7 +113,8 @@ def pack_micro_batches(
     Each micro-batch is a dict of `[rows, width]` tensors: `input_ids`, `position_ids`,
     `loss_mask` (first token of every document cleared), `sequence_ids` (index into
     `samples`, -1 on padding) and, when any sample has them, the float32 per-token fields
-    `logprobs`, `advantages`, `teacher_logprobs` (0.0 on padding and for samples without).
+    `logprobs`, `advantages`, `teacher_logprobs` (0.0 on padding and for samples without), and
+    `[rows, width, k]` `teacher_topk_ids` / `teacher_topk_logprobs` when samples have them.
     """
     if mode not in ("padded", "packed"):
         raise ValueError(f"packing mode must be 'padded' or 'packed', got {mode!r}")
@@ -113,15 +131,16 @@ def pack_micro_batches(
     indexed = list(enumerate(samples))
     rows = _rows_padded(indexed) if mode == "padded" else _rows_packed(indexed, pack_length)
     fields = [name for name in PER_TOKEN_FIELDS if any(getattr(s, name) is not None for s in samples)]
+    topk = _topk_width(samples)
     batches, current, width = [], [], 0
     for row in rows:  # rows come longest first, so `width` is set by the first row of each batch
         row_len = sum(len(s) for _, s in row)
         if current and (len(current) + 1) * max(width, row_len) > micro_batch_tokens:
-            batches.append(_to_tensors(current, fields))
+            batches.append(_to_tensors(current, fields, topk))
             current, width = [], 0
         current.append(row)
         width = max(width, row_len)
-    batches.append(_to_tensors(current, fields))
+    batches.append(_to_tensors(current, fields, topk))
     return batches
 
 

@@ -242,6 +242,8 @@ class RolloutDataModule(L.LightningDataModule):
         trust = bool(getattr(self.trainer.lightning_module, "trust_remote_code", False))
         tokenizer = load_tokenizer(self.resolve_tokenizer(), trust_remote_code=trust)  # built-in names too
         teacher_scores = self.has_teacher
+        # the teacher's top-k tokens per position, when the module trains a dense divergence on them
+        teacher_top_k = int(getattr(self.trainer.lightning_module, "served_teacher_top_k", 0)) if teacher_scores else 0
         filters = [GibberishFilter(enforce="gibberish" in self.enforce_filters),
                    RepetitionFilter(enforce="repetition" in self.enforce_filters)]
         buffer = RolloutBuffer(
@@ -258,6 +260,7 @@ class RolloutDataModule(L.LightningDataModule):
             requests_per_minute=self.requests_per_minute, seed=self.seed,
             chat_template_kwargs=self.chat_template_kwargs,
             teacher=runtime.client_factory("teacher", tokenizer=tokenizer) if teacher_scores else None,
+            teacher_top_k=teacher_top_k,
             source=self.source,
         )
         if self._saved_state is not None:

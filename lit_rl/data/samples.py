@@ -2,7 +2,7 @@
 
 A Sample is a whole sequence (prompt + completion) with a per-token `loss_mask`. RL
 data rides along as per-token fields of the same length (`logprobs`, `advantages`,
-`teacher_logprobs`), checked at construction so that a length bug surfaces where the
+`teacher_logprobs`; `teacher_topk_ids` and `teacher_topk_logprobs` with k values per token), checked at construction so that a length bug surfaces where the
 sample is made, not as a shape error deep inside a packed loss. The RL fields stay
 None for SFT rows. See the Sample and RL samples contracts in DESIGN.md.
 """
@@ -18,6 +18,8 @@ SOURCES = ("static", "policy", "teacher")
 SAMPLERS = ("policy", "teacher")  # the sources rollouts come from
 
 PER_TOKEN_FIELDS = ("logprobs", "advantages", "teacher_logprobs")  # float, len(input_ids) each; packing carries them
+#: k values per token (len(input_ids) rows of k): a teacher server's top-k next tokens and their logprobs (OPD)
+PER_TOKEN_TOPK_FIELDS = ("teacher_topk_ids", "teacher_topk_logprobs")
 
 
 @dataclass
@@ -33,6 +35,10 @@ class Sample:
     truncated: bool = False  # cut to max_length by the data source
     finish_reason: str | None = None  # the server's finish reason for a rollout completion; "length": hit max_tokens
     metadata: dict = field(default_factory=dict)  # free-form, kept in traces
+    # A teacher server's k most likely next tokens at each position and their logprobs (dense OPD
+    # from a server); [0] * k where the token is not trained.
+    teacher_topk_ids: list[list[int]] | None = None
+    teacher_topk_logprobs: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -41,6 +47,13 @@ class Sample:
             values = getattr(self, name)
             if values is not None and len(values) != n:
                 problems.append(f"{name} has {len(values)}")
+        widths = {len(row) for name in PER_TOKEN_TOPK_FIELDS for row in (getattr(self, name) or ())}
+        for name in PER_TOKEN_TOPK_FIELDS:
+            values = getattr(self, name)
+            if values is not None and len(values) != n:
+                problems.append(f"{name} has {len(values)} rows")
+        if len(widths) > 1:
+            problems.append(f"the top-k fields have rows of {sorted(widths)} values, not one k")
         if problems:
             raise ValueError(f"Sample: input_ids has {n} tokens but {', '.join(problems)}; per-token fields need one value per token")
 

@@ -177,26 +177,46 @@ class InferenceClient:
         ids = chat_prompt_ids(await self.tokenizer(), messages, tools, chat_template_kwargs)
         return await self.generate(ids, **kwargs)
 
-    async def score(self, ids: Sequence[int]) -> list[float]:
-        """Log-probability of each of `ids` given the ones before it (teacher scoring); 0.0 at
-        position 0, so the result lines up with `lit_rl.losses.shifted_token_logprobs`."""
+    async def _prompt_logprobs(self, what: str, ids: Sequence[int], k: int) -> list:
+        """vLLM's `prompt_logprobs` of `ids` from one prefill: per position a dict token id ->
+        {logprob, rank} with the k most likely tokens and the actual one (None at position 0)."""
         resp = await self._call(
-            "score",
+            what,
             self.openai.completions.create(
                 model=await self._model_name(), prompt=list(ids), max_tokens=1, temperature=0.0,
-                extra_body={"prompt_logprobs": 0, "return_token_ids": True},
+                extra_body={"prompt_logprobs": k, "return_token_ids": True},
             ),
         )
         entries = (resp.choices[0].model_extra or {}).get("prompt_logprobs")
         if not isinstance(entries, list) or len(entries) != len(ids):
-            raise InferenceServerError(f"score: the server returned no prompt_logprobs for {len(ids)} ids (not vLLM?)")
-        out = [0.0]
+            raise InferenceServerError(f"{what}: the server returned no prompt_logprobs for {len(ids)} ids (not vLLM?)")
+        return entries
+
+    async def score(self, ids: Sequence[int]) -> list[float]:
+        """Log-probability of each of `ids` given the ones before it (teacher scoring); 0.0 at
+        position 0, so the result lines up with `lit_rl.losses.shifted_token_logprobs`."""
+        return (await self.score_top_k(ids, 0))[0]
+
+    async def score_top_k(self, ids: Sequence[int], k: int) -> tuple[list[float], list[list[int]], list[list[float]]]:
+        """`score`, and at each position the k most likely tokens given the ones before it with
+        their log-probabilities (most likely first; [0] * k at position 0): a teacher's dense
+        signal for distillation from one prefill. The server must allow k (vLLM's
+        `--max-logprobs`, 20 by default)."""
+        entries = await self._prompt_logprobs("score", ids, k)
+        scores, top_ids, top_lps = [0.0], [[0] * k], [[0.0] * k]
         for tok, entry in zip(ids[1:], entries[1:]):
             try:
-                out.append(float(entry[str(int(tok))]["logprob"]))
+                scores.append(float(entry[str(int(tok))]["logprob"]))
+                # the top k and the actual token (outside them it is no more likely than the k-th)
+                best = sorted(((float(v["logprob"]), int(t)) for t, v in entry.items()), reverse=True)[:k]
             except (KeyError, TypeError, ValueError) as e:
                 raise InferenceServerError(f"score: malformed prompt_logprobs entry for token {tok}: {entry!r}") from e
-        return out
+            if len(best) != k:
+                raise InferenceServerError(f"score: asked for the top {k} tokens, the server returned {len(entry)} "
+                                           f"entries for token {tok}")
+            top_ids.append([t for _, t in best])
+            top_lps.append([lp for lp, _ in best])
+        return scores, top_ids, top_lps
 
     def _completion(self, choice: Any) -> Completion:
         extra = choice.model_extra or {}

@@ -6,11 +6,16 @@ returns decide which `divergence` can be trained:
 
 - a teacher server (`inference.teacher_model` or `inference.teacher_base_url`, served by the run's
   `InferenceRuntime`): one prefill per completion gives the logprob of each sampled token, which
-  the rollout buffer puts on the sample as `teacher_logprobs`. Only `sampled_reverse_kl` can be
-  computed from that: the per-token advantage is the teacher's logprob minus the sampler's, the
-  negative of the sampled token's reverse-KL estimate, with no discount over later tokens
-  (Agarwal et al. 2024; Thinking Machines' "On-Policy Distillation"), trained as a policy
-  gradient (`lit_rl.losses.opd_loss`) with GRPO's behaviour-policy correction.
+  the rollout buffer puts on the sample as `teacher_logprobs`, and (for a dense divergence) the
+  teacher's `teacher_top_k` most likely tokens at each position with their logprobs
+  (`teacher_topk_ids`, `teacher_topk_logprobs`). `sampled_reverse_kl` uses the first: the
+  per-token advantage is the teacher's logprob minus the sampler's, the negative of the sampled
+  token's reverse-KL estimate, with no discount over later tokens (Agarwal et al. 2024; Thinking
+  Machines' "On-Policy Distillation"), trained as a policy gradient (`lit_rl.losses.opd_loss`)
+  with GRPO's behaviour-policy correction. The dense divergences use the second: both
+  distributions coarsened to the teacher's top k and one bin for the rest of the vocabulary
+  (`lit_rl.losses.topk_bins`), the student's side from the trainer's own logits at trained
+  positions (`lit_rl.chunked_head.selected_topk_divergence_sum`).
 - a teacher in this process (`model.teacher_model`): a frozen copy of the teacher runs on the
   same micro-batches, and the divergence is exact over the whole vocabulary at every trained
   position (`lit_rl.losses.token_divergence`: `forward_kl`, `reverse_kl`, or `jsd` with `beta`,
@@ -31,10 +36,10 @@ from __future__ import annotations
 
 import torch
 
-from lit_rl.chunked_head import selected_divergence_sum
+from lit_rl.chunked_head import selected_divergence_sum, selected_topk_divergence_sum
 from lit_rl.errors import ConfigError
 from lit_rl.losses import (OPD_METRICS, check_behaviour_options, check_divergence_options, divergence_beta,
-                           opd_loss_sums, token_divergence)
+                           opd_loss_sums, token_divergence, topk_bins)
 from lit_rl.modules.base import CausalLMModule
 from lit_rl.modules.model_loading import load_causal_lm
 from lit_rl.sharding import apply_fsdp2, is_sharded
@@ -49,6 +54,7 @@ class OPD(CausalLMModule):
         divergence: str = "sampled_reverse_kl",
         beta: float = 0.5,
         teacher_model: str | None = None,
+        teacher_top_k: int = 20,
         is_correction: str = "token_truncate",
         is_cap: float = 2.0,
         reward_weight: float = 0.0,
@@ -59,10 +65,14 @@ class OPD(CausalLMModule):
         Args:
             divergence: what the loss measures between the student and the teacher at each trained
                 position: ``sampled_reverse_kl`` (the sampled token's reverse-KL estimate, as a policy
-                gradient; any teacher), or over the whole vocabulary (needs ``teacher_model``):
-                ``reverse_kl`` KL(student || teacher), ``forward_kl`` KL(teacher || student), ``jsd``
+                gradient), or over the whole vocabulary (``teacher_model``) or the teacher server's
+                top ``teacher_top_k`` tokens and a tail bin: ``reverse_kl`` KL(student || teacher), ``forward_kl`` KL(teacher || student), ``jsd``
                 the generalised Jensen-Shannon divergence with ``beta`` (docs/distillation.md).
             beta: the ``jsd`` mixture weight of the teacher, in [0, 1]: 0 is forward KL, 1 reverse KL.
+            teacher_top_k: with a teacher server and a dense divergence: how many of the teacher's most
+                likely tokens it returns per position (vLLM's ``prompt_logprobs``; a vLLM server allows
+                up to its ``--max-logprobs``, 20 by default). The divergence is over those k tokens and
+                one bin for the rest; the larger k, the closer to the whole-vocabulary divergence.
             teacher_model: a teacher loaded in this process, frozen (hub name, directory or built-in
                 model; the same dtype and attention as ``model``), instead of a teacher server. It
                 must share the student's tokenizer.
@@ -78,6 +88,8 @@ class OPD(CausalLMModule):
         """
         super().__init__(*args, **kwargs)
         problems = check_behaviour_options(is_correction, is_cap) + check_divergence_options(divergence, beta)
+        if not isinstance(teacher_top_k, int) or isinstance(teacher_top_k, bool) or teacher_top_k < 1:
+            problems.append(f"teacher_top_k must be an int >= 1, got {teacher_top_k!r}")
         if reward_weight < 0:
             problems.append(f"reward_weight must be >= 0, got {reward_weight}")
         if reward_weight and divergence != "sampled_reverse_kl":
@@ -85,7 +97,7 @@ class OPD(CausalLMModule):
                             "has none (use divergence 'sampled_reverse_kl' or reward_weight 0)")
         if problems:
             raise ValueError("OPD: " + "; ".join(problems))
-        self.divergence, self.beta, self.teacher_model = divergence, beta, teacher_model
+        self.divergence, self.beta, self.teacher_model, self.teacher_top_k = divergence, beta, teacher_model, teacher_top_k
         self.is_correction, self.is_cap, self.reward_weight, self.log_entropy = is_correction, is_cap, reward_weight, log_entropy
         # The in-process teacher stays outside the module tree: not trained, not in checkpoints or exports.
         object.__setattr__(self, "teacher", None)
@@ -93,6 +105,12 @@ class OPD(CausalLMModule):
     @property
     def dense(self) -> bool:
         return self.divergence != "sampled_reverse_kl"
+
+    @property
+    def served_teacher_top_k(self) -> int:
+        """How many top tokens per position a teacher server must return with its scores (the
+        rollout data module asks): `teacher_top_k` for a dense divergence without a teacher here."""
+        return self.teacher_top_k if self.dense and self.teacher_model is None else 0
 
     # ---- the teacher ---------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -127,12 +145,6 @@ class OPD(CausalLMModule):
                 "OPD needs a teacher to score the student's samples: set model.teacher_model (loaded in this process), "
                 "inference.teacher_model (lit-rl starts a vLLM server for it) or inference.teacher_base_url (an existing "
                 "server), with a RolloutDataModule"
-            )
-        if self.dense and self.teacher_model is None:
-            raise ConfigError(
-                f"OPD: model.divergence {self.divergence!r} needs the teacher's whole next-token distribution, which a "
-                "teacher server does not return: set model.teacher_model (the teacher in this process) instead of "
-                "inference.teacher_*, or model.divergence sampled_reverse_kl"
             )
         if self.teacher_model is not None:
             self._check_teacher_tokenizer()
@@ -171,7 +183,9 @@ class OPD(CausalLMModule):
     def _dense_loss_sum(self, micro_batch: dict[str, torch.Tensor]):
         beta = divergence_beta(self.divergence, self.beta)
         targets = micro_batch["loss_mask"][:, 1:]  # [B, T-1]
-        if self._uses_plain_head(micro_batch) and self._uses_plain_head(micro_batch, self.teacher):
+        if self.teacher is None:
+            loss_sum = self._served_topk_loss_sum(micro_batch, targets, beta)
+        elif self._uses_plain_head(micro_batch) and self._uses_plain_head(micro_batch, self.teacher):
             hidden, _, weight, bias = self._trained_positions(micro_batch)
             with torch.no_grad():
                 teacher_hidden, _, teacher_weight, teacher_bias = self._trained_positions(micro_batch, self.teacher)
@@ -184,3 +198,21 @@ class OPD(CausalLMModule):
             loss_sum = token_divergence(student, teacher, beta).sum()
         tokens = targets.sum().to(loss_sum)
         return loss_sum, {"divergence": (loss_sum.detach(), tokens)}
+
+    def _served_topk_loss_sum(self, micro_batch: dict[str, torch.Tensor], targets: torch.Tensor, beta: float):
+        """The divergence over a teacher server's top-k tokens and a tail bin, at trained positions."""
+        if "teacher_topk_ids" in micro_batch:  # row i: the distribution of token i given the ones before it
+            ids = micro_batch["teacher_topk_ids"][:, 1:][targets]  # [N, k]
+            teacher = micro_batch["teacher_topk_logprobs"][:, 1:][targets]  # [N, k]
+        elif not targets.any():  # a stand-in micro-batch: nothing to score
+            ids = targets.new_zeros((0, 1), dtype=torch.long)
+            teacher = torch.zeros((0, 1), device=targets.device)
+        else:
+            raise ValueError("OPD: the samples carry no teacher_topk_ids: a dense divergence from a teacher server needs "
+                             "its top-k tokens (RolloutDataModule with inference.teacher_model or teacher_base_url)")
+        if self._uses_plain_head(micro_batch):
+            hidden, _, weight, bias = self._trained_positions(micro_batch)
+            return selected_topk_divergence_sum(hidden, weight, ids, teacher, beta=beta, student_bias=bias,
+                                                chunk_size=self.head_chunk_size)
+        student = torch.log_softmax(self.logits(micro_batch)[:, :-1][targets].float(), dim=-1)  # [N, V]
+        return token_divergence(*topk_bins(student, ids, teacher), beta).sum()

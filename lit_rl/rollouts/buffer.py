@@ -117,6 +117,7 @@ class RolloutBuffer:
         seed: int = 0,
         chat_template_kwargs: dict | None = None,
         teacher: InferenceClient | Callable[[], InferenceClient] | None = None,
+        teacher_top_k: int = 0,
         source: str = "policy",
     ) -> None:
         """
@@ -154,6 +155,9 @@ class RolloutBuffer:
                 every accepted group is scored by it as part of its rollout (one prefill per
                 sample, concurrently), filling each sample's `teacher_logprobs` on its
                 trained tokens (on-policy distillation). None: no teacher.
+            teacher_top_k: also fill each sample's `teacher_topk_ids` / `teacher_topk_logprobs`:
+                the teacher's k most likely next tokens at each trained position, from the same
+                prefill (dense distillation from a teacher server). 0: the sampled tokens only.
             source: who `client` samples from: "policy" (the model being trained) or "teacher" (a frozen
                 teacher whose completions are SFT data): then every sample's `source` is
                 "teacher", its sampling logprobs move to `teacher_logprobs` and `logprobs` is
@@ -188,6 +192,8 @@ class RolloutBuffer:
             problems.append(f"rollout_timeout must be a number > 0 or None, got {rollout_timeout!r}")
         if source not in SAMPLERS:
             problems.append(f"source must be one of {SAMPLERS}, got {source!r}")
+        if not _is_int(teacher_top_k) or teacher_top_k < 0 or (teacher_top_k and teacher is None):
+            problems.append(f"teacher_top_k must be an int >= 0, and > 0 only with a teacher, got {teacher_top_k!r}")
         if source == "teacher" and teacher is not None:
             problems.append("source 'teacher' samples from the teacher itself; give no separate teacher to score them")
         if scale not in SCALES:
@@ -211,6 +217,7 @@ class RolloutBuffer:
         self._client = client if self._client_factory is None else None
         self._teacher_factory = teacher if teacher is not None and not hasattr(teacher, "score") else None
         self._teacher = teacher if self._teacher_factory is None else None
+        self.teacher_top_k = teacher_top_k
         self.tokenizer = tokenizer
         self.sampling = sampling or TrainSampling()
         self.batch_size, self.group_size = batch_size, group_size
@@ -439,16 +446,24 @@ class RolloutBuffer:
 
     async def _teacher_scores(self, samples: list[Sample]) -> list[Sample]:
         """The samples with `teacher_logprobs`: the teacher's logprob of each trained token (0
-        elsewhere), from one prefill per sample, all at once."""
+        elsewhere), and with `teacher_top_k` its top-k tokens there too ([0] * k elsewhere), from
+        one prefill per sample, all at once."""
         start = time.monotonic()
+        k = self.teacher_top_k
         try:
-            scores = await asyncio.gather(*(self._teacher.score(s.input_ids) for s in samples))
+            scores = await asyncio.gather(*(self._teacher.score_top_k(s.input_ids, k) for s in samples))
         except InferenceServerError as e:
             raise InferenceServerError(f"the teacher server failed: {e}") from e
         self._teacher_s += time.monotonic() - start
         self._teacher_groups += 1
-        return [dataclasses.replace(s, teacher_logprobs=[lp if m else 0.0 for lp, m in zip(lps, s.loss_mask)])
-                for s, lps in zip(samples, scores)]
+        scored = []
+        for s, (lps, top_ids, top_lps) in zip(samples, scores):
+            fields = {"teacher_logprobs": [lp if m else 0.0 for lp, m in zip(lps, s.loss_mask)]}
+            if k:
+                fields["teacher_topk_ids"] = [ids if m else [0] * k for ids, m in zip(top_ids, s.loss_mask)]
+                fields["teacher_topk_logprobs"] = [row if m else [0.0] * k for row, m in zip(top_lps, s.loss_mask)]
+            scored.append(dataclasses.replace(s, **fields))
+        return scored
 
     def _accept(self, task_id: int, draw: int, index: int, version: int, samples: list[Sample]) -> None:
         samples = [
