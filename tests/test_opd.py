@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from helpers import REPO, TINY_MODEL, reverse_rows, write_jsonl
-from test_rollout_buffer import FAST, LOGPROB_TOL, TOK, collect, hf_logprobs
+import torch
+from helpers import REPO, TINY_MODEL, lit_rl_here, reverse_rows, write_jsonl
+from test_rollout_buffer import FAST, LOGPROB_TOL, TOK, collect, hf_logprobs, hf_model
 from transformers import AutoTokenizer
 
 from lit_rl.rollouts.buffer import RolloutBuffer
@@ -30,14 +31,21 @@ def data(tmp_path_factory):
 
 def test_the_teacher_scores_exactly_the_sampled_tokens(vllm_server, data):
     """The session's server is student and teacher at once: the teacher's logprob of every
-    completion token equals HF's for the served weights (and the sampler's); prompts get 0."""
+    completion token equals HF's for the served weights (and the sampler's); prompts get 0. With
+    `teacher_top_k` each completion position also carries HF's top k there ([0] * k on the prompt)."""
     buffer = RolloutBuffer(ReverseTextEnv(data), vllm_server.client, TOK, TrainSampling(max_tokens=8),
-                           batch_size=4, group_size=2, num_batches=2, teacher=vllm_server.client, **FAST)
+                           batch_size=4, group_size=2, num_batches=2, teacher=vllm_server.client, teacher_top_k=3, **FAST)
     batches = asyncio.run(collect(buffer))
     worst_hf = worst_sampler = 0.0
     for s in (s for b in batches for s in b):
         n = s.loss_mask.index(True)
         assert s.teacher_logprobs[:n] == [0.0] * n
+        assert s.teacher_topk_ids[:n] == [[0] * 3] * n and s.teacher_topk_logprobs[:n] == [[0.0] * 3] * n
+        with torch.no_grad():
+            full = torch.log_softmax(hf_model(str(vllm_server.model_dir))(torch.tensor([s.input_ids]), use_cache=False).logits[0], -1)
+        for i in range(n, len(s)):  # the distribution of token i given the ones before it
+            assert s.teacher_topk_logprobs[i] == pytest.approx(full[i - 1].topk(3).values.tolist(), abs=LOGPROB_TOL)
+            assert [full[i - 1, t].item() for t in s.teacher_topk_ids[i]] == pytest.approx(s.teacher_topk_logprobs[i], abs=LOGPROB_TOL)
         ref = hf_logprobs(vllm_server.model_dir, s.input_ids)
         worst_hf = max(worst_hf, max(abs(a - b) for a, b in zip(s.teacher_logprobs[n:], ref[n:])))
         worst_sampler = max(worst_sampler, max(abs(a - b) for a, b in zip(s.teacher_logprobs[n:], s.logprobs[n:])))
@@ -80,11 +88,11 @@ def test_opd_without_a_teacher_or_with_another_tokenizer_is_refused_before_any_s
     assert not (tmp_path / "b" / "vllm_teacher.log").exists() and not (tmp_path / "b" / "vllm.log").exists()
 
 
-def test_a_dense_divergence_needs_the_teacher_in_process_and_one_teacher_only(data, tmp_path, lit_rl_main):
+def test_bad_distillation_options_and_two_teachers_are_refused_before_any_server(data, tmp_path, lit_rl_main):
     student = ("--model.init_args.random_init", "true")
     code, _, stderr = lit_rl_main(opd_args(tmp_path / "a", data, TINY_MODEL, 2, *student, "--model.init_args.divergence",
-                                           "reverse_kl", "--inference.teacher_model", TINY_MODEL))
-    assert code == 1 and "model.divergence 'reverse_kl' needs the teacher's whole next-token distribution" in stderr, stderr
+                                           "reverse_kl", "--model.init_args.teacher_top_k", "0"))
+    assert code == 1 and "teacher_top_k must be an int >= 1, got 0" in stderr, stderr
     code, _, stderr = lit_rl_main(opd_args(tmp_path / "b", data, TINY_MODEL, 2, *student, "--model.init_args.teacher_model",
                                            TINY_MODEL, "--inference.teacher_model", TINY_MODEL))
     assert code == 1 and "OPD: two teachers" in stderr, stderr
@@ -106,7 +114,7 @@ def test_opd_with_the_teacher_in_process_lowers_the_divergence_through_the_cli(v
     """The documented command's shape (docs/distillation.md): the student on the session's server,
     a teacher of other weights loaded in the trainer, reverse KL over the whole vocabulary."""
     from lit_rl.modules.model_loading import load_causal_lm
-    from test_cli import metrics_rows, run
+    from test_cli import metrics_rows
     from test_online_eval import restore_shared_server
 
     teacher = tmp_path / "teacher"
@@ -114,7 +122,7 @@ def test_opd_with_the_teacher_in_process_lowers_the_divergence_through_the_cli(v
     TOK.save_pretrained(teacher)
     root = tmp_path / "run"
     try:
-        out = run(opd_args(root, data, str(vllm_server.model_dir), 4, "--inference.base_url", vllm_server.base_url,
+        out = lit_rl_here(opd_args(root, data, str(vllm_server.model_dir), 4, "--inference.base_url", vllm_server.base_url,
                            "--inference.server", "{}", "--inference.teacher_model", "null", "--inference.teacher_server", "{}",
                            "--model.init_args.teacher_model", str(teacher), "--model.init_args.divergence", "reverse_kl",
                            "--model.init_args.optimizer.init_args.lr", "0.003", "--trainer.log_every_n_steps", "1"))
