@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
-from helpers import TINY_MODEL
+from helpers import REPO, TINY_MODEL
 from xdist.scheduler import LoadScopeScheduling
 
 # The suite runs in two pytest-xdist workers (pyproject.toml). vLLM's CPU build binds its engine
@@ -60,15 +61,24 @@ def tiny_model():
 
 
 @pytest.fixture
-def lit_rl_main():
-    """`lit-rl ARGS` in this process, returning (exit code, stdout, stderr) like `run`
-    (`helpers.lit_rl_here`). Set environment variables with monkeypatch.setenv (`default_env`
-    reads them at parse time)."""
-    from helpers import lit_rl_here
+def lit_rl_main(monkeypatch, capsys):
+    """`lit-rl ARGS` in this process, returning (exit code, stdout, stderr) like `run`: the same working
+    directory and HF_HUB_OFFLINE, sys.argv without pytest's arguments. Set other environment
+    variables with monkeypatch.setenv (`default_env` reads them at parse time)."""
+    monkeypatch.setattr(sys, "argv", ["lit-rl"])
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
     def call(args):
-        done = lit_rl_here(args)
-        return done.returncode, done.stdout, done.stderr
+        from lit_rl import cli  # here: collecting the test files stays light
+
+        try:
+            cli.main(args)
+            code = 0
+        except SystemExit as e:
+            code = e.code or 0
+        out = capsys.readouterr()
+        return code, out.out, out.err
 
     return call
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import REPO, lit_rl_here, reverse_rows, write_jsonl
+from helpers import REPO, reverse_rows, write_jsonl
 
 LIT_RL = [sys.executable, "-m", "lit_rl.cli"]
 CONFIG = str(REPO / "examples" / "reverse_text" / "sft.yaml")
@@ -45,7 +45,7 @@ def metrics_rows(root: Path):
 def test_fit_runs_end_to_end_and_reruns_into_same_dir(tmp_path):
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(40))
     args = fit_args(tmp_path, data) + ["--trainer.log_every_n_steps", "1", "--model.init_args.lr_scheduler.init_args.warmup_steps", "1"]
-    first = lit_rl_here(args)  # in process: the same code without the start-up
+    first = run(args)
     assert first.returncode == 0, first.stderr[-3000:]
     rows = [r for r in metrics_rows(tmp_path / "run") if r.get("train/loss")]
     assert [int(r["step"]) for r in rows] == [0, 1, 2]
@@ -60,7 +60,7 @@ def test_fit_runs_end_to_end_and_reruns_into_same_dir(tmp_path):
     assert "v_num" not in first.stdout and "Epoch" not in first.stdout
     assert (tmp_path / "run" / "weights" / "step_3" / "STABLE").is_file()
     # a second run into the same directory must not trip over the saved config
-    second = lit_rl_here(args)
+    second = run(args)
     assert second.returncode == 0, second.stderr[-3000:]
 
 

@@ -16,7 +16,7 @@ from lit_rl.data.step_builder import build_step
 from lit_rl.losses import opd_loss, shifted_token_logprobs, token_divergence
 from lit_rl.modules.model_loading import load_causal_lm
 from lit_rl.modules.opd import OPD
-from test_grpo_step import OneStep, as_batch, rollout_samples, sgd
+from test_grpo_step import OneStep, as_batch, rollout_samples, sgd, sgd_step
 
 S, T = [0.5, 0.3, 0.2], [0.2, 0.2, 0.6]
 
@@ -106,11 +106,7 @@ def reference_update(student, teacher, samples, divergence, beta):
                 theirs = torch.log_softmax(teacher(input_ids=ids, use_cache=False).logits[0, :-1][at].float(), -1)
             total, count = total + token_divergence(ours, theirs, beta).sum(), count + int(at.sum())
         loss = total / count
-    loss.backward()
-    with torch.no_grad():
-        for p in student.parameters():
-            p -= p.grad
-    return student, loss.item()
+    return sgd_step(student, loss), loss.item()
 
 
 @pytest.mark.parametrize("divergence, beta", [("reverse_kl", 0.5), ("forward_kl", 0.5), ("jsd", 0.3),

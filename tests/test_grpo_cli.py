@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, lit_rl_here, reverse_rows, write_jsonl
+from helpers import REPO, reverse_rows, write_jsonl
 from test_cli import LIT_RL, metrics_rows, run
 
 pytestmark = pytest.mark.slow
@@ -54,9 +54,9 @@ def test_staleness_bound_holds_and_a_resume_continues_versions_and_trains_no_sam
     """Two steps, then a resume to four (one test: both runs would otherwise be repeated)."""
     root = tmp_path / "run"
     common = [*shared(vllm_server), "--data.init_args.max_staleness", str(max_staleness)]
-    first = lit_rl_here(grpo_args(root, data, str(vllm_server.model_dir), 2, *common))
+    first = run(grpo_args(root, data, str(vllm_server.model_dir), 2, *common))
     assert first.returncode == 0, first.stderr[-4000:]
-    second = lit_rl_here(grpo_args(root, data, str(vllm_server.model_dir), 4, *common, "--ckpt_path", "last"))
+    second = run(grpo_args(root, data, str(vllm_server.model_dir), 4, *common, "--ckpt_path", "last"))
     assert second.returncode == 0, second.stderr[-4000:]
     runs = [[r for r in csv.DictReader(open(path)) if r.get("train/staleness_max")]
             for path in sorted(root.glob("logs/version_*/metrics.csv"))]
@@ -125,7 +125,7 @@ def test_two_ranks_share_each_batch(vllm_server, data, tmp_path):
     samples each rank traced as trained are disjoint halves that together make up rank 0's batch."""
     root = tmp_path / "run"
     out = run(grpo_args(root, data, str(vllm_server.model_dir), 2, *shared(vllm_server),
-                        "--trainer.devices", "2", "--trainer.strategy", "ddp"))  # Lightning starts rank 1 as a new process
+                        "--trainer.devices", "2", "--trainer.strategy", "ddp"))
     assert out.returncode == 0, out.stderr[-4000:]
     rows = [r for r in metrics_rows(root) if r.get("train/staleness_max")]
     assert len(rows) == 2

@@ -58,16 +58,21 @@ def as_batch(model, samples):
     return torch.stack(lp_rows), inf, teacher, mask, adv
 
 
+def sgd_step(model, loss: torch.Tensor):
+    """One SGD step (lr 1) of `model` on `loss`, as the references below compute it; the model."""
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= p.grad
+    return model
+
+
 def reference_update(model, samples, loss_type):
     """The parameters after one SGD step (lr 1) on policy_loss over all samples as [B, T]."""
     model = copy.deepcopy(model)
     lp, inf, _, mask, adv = as_batch(model, samples)  # [B, T] x 4, [B]
     loss, _ = policy_loss(lp, lp.detach(), inf, adv, mask, loss_type=loss_type, max_completion_length=16)
-    loss.backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            p -= p.grad
-    return model, loss.item()
+    return sgd_step(model, loss), loss.item()
 
 
 class OneStep(L.LightningDataModule):

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from helpers import lit_rl_here, reverse_rows, write_jsonl
+from helpers import reverse_rows, write_jsonl
 from lit_rl.data.sampler import row_order
-from test_cli import metrics_rows
+from test_cli import metrics_rows, run
 from test_grpo_cli import grpo_args, shared, trained
 
 
@@ -43,10 +43,10 @@ def test_grpo_with_replay_logs_both_losses_and_resumes_the_replay_order(vllm_ser
     root = tmp_path / "run"
     common = [*shared(vllm_server), "--data.init_args.batch_size", "12", "--data.init_args.weight", "2",
               *replay({"path": data, "weight": 1, "seed": 3})]
-    first = lit_rl_here(grpo_args(root, data, str(vllm_server.model_dir), 2, *common))
+    first = run(grpo_args(root, data, str(vllm_server.model_dir), 2, *common))
     assert first.returncode == 0, first.stderr[-4000:]
     assert "policy 8 samples (policy_gradient), replay 4 samples (cross_entropy)" in first.stderr
-    second = lit_rl_here(grpo_args(root, data, str(vllm_server.model_dir), 4, *common, "--ckpt_path", "last"))
+    second = run(grpo_args(root, data, str(vllm_server.model_dir), 4, *common, "--ckpt_path", "last"))
     assert second.returncode == 0, second.stderr[-4000:]
     steps = trained(root)
     assert [s["step"] for s in steps] == [0, 1, 2, 3]

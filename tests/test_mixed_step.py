@@ -17,7 +17,7 @@ from lit_rl.modules.grpo import GRPO
 from lit_rl.modules.opd import OPD
 from lit_rl.modules.model_loading import load_causal_lm
 from helpers import TINY_MODEL
-from test_grpo_step import as_batch, rollout_samples, sgd
+from test_grpo_step import as_batch, rollout_samples, sgd, sgd_step
 
 POLICY = Part("policy", "policy_gradient", 3.0, 1)
 OPD_PART = Part("policy", "distillation", 3.0, 1)
@@ -50,11 +50,7 @@ def reference_update(model, rollouts, rows, loss_type):
         ce_sum = ce_sum + masked_cross_entropy_sum(model(input_ids=ids, use_cache=False).logits, ids, row_mask)
         ce_tokens += int(row_mask[:, 1:].sum())
     ce = ce_sum / ce_tokens
-    (pg + ce).backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            p -= p.grad
-    return model, pg.item(), ce.item()
+    return sgd_step(model, pg + ce), pg.item(), ce.item()
 
 
 class MixedShare(L.LightningDataModule):

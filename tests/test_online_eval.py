@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from lit_rl.eval.plan import DoneLog, EvalPlan
-from helpers import REPO, lit_rl_here
+from helpers import REPO
 from online_eval_helpers import evaluator_processes
 from wandb_records import history, records, run_id
 
@@ -89,16 +89,9 @@ def write_config(tmp_path, data, *, steps, interval, envs, server=None, base_url
 
 
 def lit_rl(*args, timeout=900):
-    """`lit-rl ARGS` in a process of its own (several ranks, W&B's own process)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO / "tests")}
     return subprocess.run([sys.executable, "-m", "lit_rl.cli", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
-
-
-def lit_rl_in_process(*args):
-    """`lit-rl ARGS` in this process (the evaluator it starts still has its own; it imports the
-    test environments from tests/)."""
-    return lit_rl_here(list(args), env={"PYTHONPATH": str(REPO / "tests")})
 
 
 def eval_metrics(root: Path) -> dict[str, dict[int, float]]:
@@ -119,10 +112,10 @@ def restore_shared_server(vllm_server):
     asyncio.run(run())
 
 
-def fit_on_shared_server(config, vllm_server, *args, in_process=True):
+def fit_on_shared_server(config, vllm_server, *args):
     """`lit-rl fit` whose evaluator uses the session's server; the server gets its weights back."""
     try:
-        out = (lit_rl_in_process if in_process else lit_rl)("fit", "--config", str(config), *args)
+        out = lit_rl("fit", "--config", str(config), *args)
     finally:
         restore_shared_server(vllm_server)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -151,7 +144,7 @@ def test_sft_with_online_evals_learns_and_logs_every_due_step(tmp_path, reverse_
     assert loss[50] < loss[0]  # the subclassed eval produced its metric, and it moved the right way
     traces = [json.loads(line) for line in open(root / "evals" / "step_50" / "reverse_text.jsonl")]
     assert len(traces) == 40 and {"prompt", "completion", "reward"} <= set(traces[0])
-    report = lit_rl_in_process("report", str(root))
+    report = lit_rl("report", str(root))
     assert report.returncode == 0 and (root / "report.png").stat().st_size > 10_000
 
 
@@ -162,8 +155,7 @@ def test_online_evals_under_fsdp2_run_once_from_rank_zero(tmp_path, reverse_data
     envs = [{"class_path": "lit_rl.rollouts.ReverseTextEnv",
              "init_args": {"path": str(reverse_data / "test.jsonl"), "num_examples": 5}}]
     config = write_config(tmp_path, reverse_data, steps=4, interval=2, envs=envs, base_url=vllm_server.base_url)
-    out = fit_on_shared_server(config, vllm_server, "--config", str(REPO / "configs" / "strategies" / "fsdp2.yaml"),
-                               in_process=False)  # two ranks: Lightning starts the second as a new process
+    out = fit_on_shared_server(config, vllm_server, "--config", str(REPO / "configs" / "strategies" / "fsdp2.yaml"))
     assert "Starting with 2 processes" in out.stdout + out.stderr
     root = tmp_path / "run"
     versions = eval_metrics(root)["eval/reverse_text/policy_version"]
@@ -231,9 +223,9 @@ def test_resume_does_not_repeat_done_evals(tmp_path, reverse_data, vllm_server):
              "init_args": {"path": str(reverse_data / "test.jsonl"), "num_examples": 5}}]
     config = write_config(tmp_path, reverse_data, steps=4, interval=2, envs=envs, base_url=vllm_server.base_url)
     try:
-        first = lit_rl_in_process("fit", "--config", str(config))
+        first = lit_rl("fit", "--config", str(config))
         assert first.returncode == 0, first.stderr[-4000:]
-        second = lit_rl_in_process("fit", "--config", str(config), "--trainer.max_steps", "8", "--ckpt_path", "last")
+        second = lit_rl("fit", "--config", str(config), "--trainer.max_steps", "8", "--ckpt_path", "last")
         assert second.returncode == 0, second.stderr[-4000:]
     finally:
         restore_shared_server(vllm_server)
@@ -258,7 +250,7 @@ def test_evaluator_writes_into_the_trainers_wandb_run(tmp_path, reverse_data, vl
     config["trainer"]["logger"] = {"class_path": "lightning.pytorch.loggers.WandbLogger",
                                    "init_args": {"offline": True, "project": "lit-rl-test", "save_dir": str(tmp_path)}}
     path.write_text(yaml.safe_dump(config))
-    fit_on_shared_server(path, vllm_server, in_process=False)  # W&B's service belongs to a run's own process
+    fit_on_shared_server(path, vllm_server)
     files = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 2, files  # the trainer's and the evaluator's, ...
     assert len({run_id(f) for f in files}) == 1, files  # ... for one run id

@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 import torch
-from helpers import REPO, TINY_MODEL, lit_rl_here, reverse_rows, write_jsonl
+from helpers import REPO, TINY_MODEL, reverse_rows, write_jsonl
 from test_rollout_buffer import FAST, LOGPROB_TOL, TOK, collect, hf_logprobs, hf_model
 from transformers import AutoTokenizer
 
@@ -114,7 +114,7 @@ def test_opd_with_the_teacher_in_process_lowers_the_divergence_through_the_cli(v
     """The documented command's shape (docs/distillation.md): the student on the session's server,
     a teacher of other weights loaded in the trainer, reverse KL over the whole vocabulary."""
     from lit_rl.modules.model_loading import load_causal_lm
-    from test_cli import metrics_rows
+    from test_cli import metrics_rows, run
     from test_online_eval import restore_shared_server
 
     teacher = tmp_path / "teacher"
@@ -122,7 +122,7 @@ def test_opd_with_the_teacher_in_process_lowers_the_divergence_through_the_cli(v
     TOK.save_pretrained(teacher)
     root = tmp_path / "run"
     try:
-        out = lit_rl_here(opd_args(root, data, str(vllm_server.model_dir), 4, "--inference.base_url", vllm_server.base_url,
+        out = run(opd_args(root, data, str(vllm_server.model_dir), 4, "--inference.base_url", vllm_server.base_url,
                            "--inference.server", "{}", "--inference.teacher_model", "null", "--inference.teacher_server", "{}",
                            "--model.init_args.teacher_model", str(teacher), "--model.init_args.divergence", "reverse_kl",
                            "--model.init_args.optimizer.init_args.lr", "0.003", "--trainer.log_every_n_steps", "1"))

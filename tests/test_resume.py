@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from lit_rl.run_dir import stable_steps, unfinished
-from helpers import REPO, TINY_MODEL, lit_rl_here, reverse_rows, write_jsonl
-from test_cli import CONFIG
+from helpers import REPO, TINY_MODEL, reverse_rows, write_jsonl
+from test_cli import CONFIG, run
 
 # One worker for the file: its module fixture's runs are shared by its tests.
 pytestmark = pytest.mark.slow  # one worker runs the file: conftest.ONE_WORKER_FILES
@@ -51,9 +51,9 @@ def runs(tmp_path_factory):
     data = write_jsonl(tmp / "train.jsonl", reverse_rows(20))  # 2 steps of 8 rows per epoch: resume crosses epochs
     straight, split = tmp / "straight", tmp / "split"
     for args in (fit(straight, data, 6), fit(split, data, 3)):
-        out = lit_rl_here(args)
+        out = run(args)
         assert out.returncode == 0, out.stderr[-3000:]
-    out = lit_rl_here(fit(split, data, 6, "--ckpt_path", "last"))
+    out = run(fit(split, data, 6, "--ckpt_path", "last"))
     assert out.returncode == 0, out.stderr[-3000:]
     return tmp, data, straight, split
 
@@ -147,6 +147,6 @@ def test_signal_saves_a_resumable_checkpoint(tmp_path, sig, code):
     ckpt = torch.load(root / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
     assert ckpt["global_step"] >= 3
     assert not unfinished(root)  # no half-written step directory
-    out = lit_rl_here(fit(root, data, ckpt["global_step"] + 1, "--ckpt_path", "last"))
+    out = run(fit(root, data, ckpt["global_step"] + 1, "--ckpt_path", "last"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert max(losses(root)) == ckpt["global_step"]  # exactly one more step, numbered after the saved ones

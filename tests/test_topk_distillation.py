@@ -20,7 +20,7 @@ from lit_rl.data.step_builder import build_step
 from lit_rl.losses import TAIL_FLOOR, token_divergence, topk_bins
 from lit_rl.modules.model_loading import load_causal_lm
 from lit_rl.modules.opd import OPD
-from test_grpo_step import OneStep, rollout_samples, sgd
+from test_grpo_step import OneStep, rollout_samples, sgd, sgd_step
 
 STUDENT = [0.4, 0.3, 0.2, 0.1]  # over a vocabulary of 4
 TOP_IDS, TEACHER_TOP = [1, 2], [0.5, 0.3]  # the teacher's top 2: tokens 1 and 2; its tail holds 0.2
@@ -156,11 +156,7 @@ def reference_update(student, samples, beta):
         top_lps = torch.tensor(s.teacher_topk_logprobs[1:])[at]
         total, count = total + token_divergence(*topk_bins(ours, top_ids, top_lps), beta).sum(), count + int(at.sum())
     loss = total / count
-    loss.backward()
-    with torch.no_grad():
-        for p in student.parameters():
-            p -= p.grad
-    return student, loss.item()
+    return sgd_step(student, loss), loss.item()
 
 
 @pytest.mark.parametrize("divergence, beta, k", [("reverse_kl", 1.0, 4), ("forward_kl", 0.0, 4), ("jsd", 0.3, 20)])

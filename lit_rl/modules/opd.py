@@ -209,7 +209,9 @@ class OPD(CausalLMModule):
             teacher = torch.zeros((0, 1), device=targets.device)
         else:
             raise ValueError("OPD: the samples carry no teacher_topk_ids: a dense divergence from a teacher server needs "
-                             "its top-k tokens (RolloutDataModule with inference.teacher_model or teacher_base_url)")
+                             "its top-k tokens (RolloutDataModule with inference.teacher_model or teacher_base_url); "
+                             "samples a checkpoint kept from a run with divergence sampled_reverse_kl have none: resume "
+                             "with the divergence the run was started with")
         if self._uses_plain_head(micro_batch):
             hidden, _, weight, bias = self._trained_positions(micro_batch)
             return selected_topk_divergence_sum(hidden, weight, ids, teacher, beta=beta, student_bias=bias,
