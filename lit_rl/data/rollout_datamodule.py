@@ -306,8 +306,9 @@ class RolloutDataModule(L.LightningDataModule):
         """Collective under several ranks: rank 0 draws the batch, every rank takes its share."""
         trainer = self.trainer
         wait_start = time.perf_counter()
-        if not self._traces_rewound:  # the first step of this run (resumed or not)
-            rewind_traces(self._root(), trainer.global_step, trainer.global_rank)
+        if not self._traces_rewound:  # the first step of this run
+            if trainer.global_step > 0:  # resumed (a fresh run's old traces are removed by `_start_rollouts`)
+                rewind_traces(self._root(), trainer.global_step, trainer.global_rank)
             self._traces_rewound = True
         payload = None
         if trainer.is_global_zero:

@@ -23,11 +23,11 @@ def rewind_traces(root: Path, step: int, rank: int) -> None:
         if not path.is_file():
             continue
         lines = path.read_text().splitlines(keepends=True)
-        later = [line for line in lines if json.loads(line)["step"] >= step]
-        if later:
+        later = [json.loads(line)["step"] >= step for line in lines]
+        if any(later):
             with open(path.with_suffix(".rolled_back.jsonl"), "a") as f:
-                f.writelines(later)
-            path.write_text("".join(line for line in lines if json.loads(line)["step"] < step))
+                f.writelines(line for line, moved in zip(lines, later) if moved)
+            path.write_text("".join(line for line, moved in zip(lines, later) if not moved))
 
 
 def trace_batch(root: Path, step: int, batch, replay: dict) -> None:

@@ -177,21 +177,6 @@ class InferenceClient:
         ids = chat_prompt_ids(await self.tokenizer(), messages, tools, chat_template_kwargs)
         return await self.generate(ids, **kwargs)
 
-    async def _prompt_logprobs(self, what: str, ids: Sequence[int], k: int) -> list:
-        """vLLM's `prompt_logprobs` of `ids` from one prefill: per position a dict token id ->
-        {logprob, rank} with the k most likely tokens and the actual one (None at position 0)."""
-        resp = await self._call(
-            what,
-            self.openai.completions.create(
-                model=await self._model_name(), prompt=list(ids), max_tokens=1, temperature=0.0,
-                extra_body={"prompt_logprobs": k, "return_token_ids": True},
-            ),
-        )
-        entries = (resp.choices[0].model_extra or {}).get("prompt_logprobs")
-        if not isinstance(entries, list) or len(entries) != len(ids):
-            raise InferenceServerError(f"{what}: the server returned no prompt_logprobs for {len(ids)} ids (not vLLM?)")
-        return entries
-
     async def score(self, ids: Sequence[int]) -> list[float]:
         """Log-probability of each of `ids` given the ones before it (teacher scoring); 0.0 at
         position 0, so the result lines up with `lit_rl.losses.shifted_token_logprobs`."""
@@ -202,7 +187,17 @@ class InferenceClient:
         their log-probabilities (most likely first; [0] * k at position 0): a teacher's dense
         signal for distillation from one prefill. The server must allow k (vLLM's
         `--max-logprobs`, 20 by default)."""
-        entries = await self._prompt_logprobs("score", ids, k)
+        resp = await self._call(
+            "score",
+            self.openai.completions.create(
+                model=await self._model_name(), prompt=list(ids), max_tokens=1, temperature=0.0,
+                extra_body={"prompt_logprobs": k, "return_token_ids": True},
+            ),
+        )
+        # per position a dict token id -> {logprob, rank}: the k most likely tokens and the actual one
+        entries = (resp.choices[0].model_extra or {}).get("prompt_logprobs")
+        if not isinstance(entries, list) or len(entries) != len(ids):
+            raise InferenceServerError(f"score: the server returned no prompt_logprobs for {len(ids)} ids (not vLLM?)")
         scores, top_ids, top_lps = [0.0], [[0] * k], [[0.0] * k]
         for tok, entry in zip(ids[1:], entries[1:]):
             try:
