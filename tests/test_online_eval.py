@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lit_rl.eval.logging import read_eval_metrics
 from lit_rl.eval.plan import DoneLog, EvalPlan
 from helpers import REPO
 from online_eval_helpers import evaluator_processes
@@ -48,6 +49,27 @@ def test_evaluator_can_be_pinned_to_cores_training_leaves_free():
         check_cpus([core + 1000])
     with pytest.raises(ValueError, match="OnlineEval.cpus"):
         check_cpus([])
+
+
+def test_the_evaluator_beside_training_runs_torch_on_one_thread(monkeypatch):
+    import torch
+
+    from lit_rl.commands.evaluate import parse, share_cores_with_training
+
+    threads = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        torch.set_num_threads(2)
+        share_cores_with_training(parse(["--run-dir", "run"]))  # a finished run: nothing trains beside it
+        assert torch.get_num_threads() == 2
+        share_cores_with_training(parse(["--run-dir", "run", "--follow"]))
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # set by the user, or by OnlineEval's `cpus`
+        share_cores_with_training(parse(["--run-dir", "run", "--follow"]))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_done_log_survives_restart_and_forgets_the_future(tmp_path):
@@ -218,28 +240,10 @@ def test_trainer_crash_takes_evaluator_and_its_server_down(tmp_path, reverse_dat
 
 
 @pytest.mark.slow
-def test_resume_does_not_repeat_done_evals(tmp_path, reverse_data, vllm_server):
-    envs = [{"class_path": "lit_rl.rollouts.ReverseTextEnv",
-             "init_args": {"path": str(reverse_data / "test.jsonl"), "num_examples": 5}}]
-    config = write_config(tmp_path, reverse_data, steps=4, interval=2, envs=envs, base_url=vllm_server.base_url)
-    try:
-        first = lit_rl("fit", "--config", str(config))
-        assert first.returncode == 0, first.stderr[-4000:]
-        second = lit_rl("fit", "--config", str(config), "--trainer.max_steps", "8", "--ckpt_path", "last")
-        assert second.returncode == 0, second.stderr[-4000:]
-    finally:
-        restore_shared_server(vllm_server)
-    rows = []
-    for path in sorted((tmp_path / "run").glob("logs/version_*/eval_metrics.csv")):
-        rows += [int(r["step"]) for r in csv.DictReader(open(path)) if r["name"] == "eval/reverse_text/reward"]
-    assert len(rows) == len(set(rows)), f"an eval was repeated: {rows}"
-    assert {0, 4, 8} <= set(rows) and set(rows) <= {0, 2, 4, 6, 8}
-
-
-@pytest.mark.slow
-def test_evaluator_writes_into_the_trainers_wandb_run(tmp_path, reverse_data, vllm_server):
+def test_evaluator_writes_into_the_trainers_wandb_run_and_a_resume_repeats_no_eval(tmp_path, reverse_data, vllm_server):
     """With W&B on (offline here: no W&B server is reachable), the evaluator writes into the
-    trainer's run id, beside the trainer's files, with eval metrics against the policy version."""
+    trainer's run id, beside the trainer's files, with eval metrics against the policy version.
+    The run is then resumed to twice its length: the evaluator repeats no step the first one did."""
     envs = [{"class_path": "lit_rl.rollouts.ReverseTextEnv",
              "init_args": {"path": str(reverse_data / "test.jsonl"), "num_examples": 5}}]
     pace = {"class_path": "online_eval_helpers.WaitForEval", "init_args": {"step": 2, "wait_at": 3}}
@@ -262,9 +266,14 @@ def test_evaluator_writes_into_the_trainers_wandb_run(tmp_path, reverse_data, vl
     for f in files:  # both writers finished their part cleanly (the trainer last: it waits for the evaluator)
         assert any(r.WhichOneof("record_type") == "exit" for r in records(f)), f
 
+    fit_on_shared_server(path, vllm_server, "--trainer.max_steps", "8", "--ckpt_path", "last")
+    steps = [r["step"] for r in read_eval_metrics(tmp_path / "run" / "evals") if r["name"] == "eval/reverse_text/reward"]
+    assert len(steps) == len(set(steps)), f"an eval was repeated: {steps}"
+    assert steps[:3] == [0, 2, 4] and 8 in steps and set(steps) <= {0, 2, 4, 6, 8}, steps
+
 
 def test_evals_go_on_without_wandb_when_joining_the_run_fails(tmp_path, caplog):
-    from lit_rl.eval.logging import EvalLogger, read_eval_metrics
+    from lit_rl.eval.logging import EvalLogger
 
     logger = EvalLogger(tmp_path, {"id": "not/a/run/id", "project": "p", "mode": "offline", "dir": str(tmp_path)})
     logger.log(3, {"eval/x/reward": 0.5})
