@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -89,7 +90,11 @@ def run_until_ready(command: str, cwd: Path, env: dict, timeout: float = 300) ->
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    return "".join(lines)
+    output = "".join(lines)
+    for log in map(Path, re.findall(r"\(log: (/\S+?\.log)\)", output)):
+        if log.parent == Path(tempfile.gettempdir()):  # a temporary log the command made for its user
+            log.unlink(missing_ok=True)
+    return output
 
 
 _run_so_far: list[str] = []

@@ -21,6 +21,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -276,9 +277,17 @@ def test_stop_kills_the_whole_process_group(tmp_path):
     server = FakeServer("fake", log_path=tmp_path / "log").start()
     pgid = server.proc.pid
     assert len(group_members(pgid)) == 2  # the "server" and its child
+    ipc_dir = Path(server._ipc_dir)
+    assert ipc_dir.is_dir()
     server.stop()
-    assert group_members(pgid) == []
+    assert group_members(pgid) == [] and not ipc_dir.exists()  # vLLM's socket directory goes too
     server.stop()  # idempotent
+
+
+def test_vllm_keeps_its_sockets_in_a_directory_of_the_servers(vllm_server):
+    """A killed vLLM leaves its unix sockets behind; they are made in the server's own directory
+    (removed at stop, test above), not loose in the temp directory."""
+    assert any(path.is_socket() for path in Path(vllm_server.server._ipc_dir).iterdir())
 
 
 def test_binding_other_addresses_is_warned_about(tmp_path, caplog):

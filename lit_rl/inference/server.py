@@ -31,6 +31,7 @@ import atexit
 import ipaddress
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -231,6 +232,7 @@ class VLLMServer:
         self.spin_wait_s = spin_wait_s
         self.stop_on_sigterm = stop_on_sigterm
         self.proc: subprocess.Popen | None = None
+        self._ipc_dir: str | None = None  # vLLM's unix sockets, removed at stop
         self.startup_seconds: float | None = None
 
     # ---- what is started --------------------------------------------------------------------------
@@ -302,12 +304,18 @@ class VLLMServer:
             self.log_path = Path(name)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         _install_hooks()
+        env = self.environment()
+        if "VLLM_RPC_BASE_PATH" not in env:
+            # vLLM's processes talk over unix sockets it creates in the temp directory and never
+            # removes once killed (a few per start); in a directory of this server's, removed at stop.
+            self._ipc_dir = tempfile.mkdtemp(prefix="lit-rl-vllm-ipc-")
+            env["VLLM_RPC_BASE_PATH"] = self._ipc_dir
         t0 = time.monotonic()
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(
                 dies_with_parent(self.command()),
                 stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                env=self.environment(), start_new_session=True,
+                env=env, start_new_session=True,
             )
         _live.add(self)
         log.info("VLLMServer: started pid %d for %s on %s (log: %s)", self.proc.pid, self.model, self.root_url, self.log_path)
@@ -360,6 +368,9 @@ class VLLMServer:
         if proc is not None and not stop_process_group(proc, self.stop_timeout):
             log.warning("VLLMServer: pid %d did not stop within %.0f s of SIGTERM; killed its group", proc.pid,
                         self.stop_timeout)
+        ipc_dir, self._ipc_dir = self._ipc_dir, None
+        if ipc_dir is not None:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
 
     def diagnose(self) -> str:
         """One line on the server's state for error messages: running, or exit code plus log tail."""
