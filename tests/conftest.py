@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -51,6 +52,31 @@ def pytest_xdist_make_scheduler(config, log):
     return OneWorkerFiles(config, log)
 
 
+@contextlib.contextmanager
+def log_handlers_writing_to(stream):
+    """Lightning's, torch's and transformers' log handlers keep the stream that was sys.stderr when
+    the library was first imported: in a test, a capture that pytest closes when the test ends, so
+    every later log line prints "--- Logging error ---" and a traceback. Inside this block they
+    write to `stream`; afterwards to what they had."""
+    moved = []
+    for logger in [logging.root, *logging.root.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", ()):
+            if type(handler) is logging.StreamHandler and handler.stream is not sys.stdout:
+                moved.append((handler, handler.stream))
+                handler.stream = stream  # not setStream: it flushes the old stream, maybe closed
+    try:
+        yield
+    finally:
+        for handler, old in moved:
+            handler.stream = old
+
+
+@pytest.fixture(autouse=True)
+def _log_handlers_follow_the_capture():
+    with log_handlers_writing_to(sys.stderr):
+        yield
+
+
 @pytest.fixture
 def tiny_model_path() -> str:
     return TINY_MODEL
@@ -82,16 +108,9 @@ def lit_rl_main(monkeypatch, capsys):
     def call(args):
         from lit_rl import cli  # here: collecting the test files stays light
 
-        # Lightning's, torch's and transformers' log handlers keep the stream that was sys.stderr
-        # when the library was first imported: a closed capture of an earlier test when that test
-        # imported it. Point them at this test's capture: their lines reach `stderr` here, and a
-        # log line never meets a closed stream (which prints "--- Logging error ---").
-        for logger in [logging.root, *logging.root.manager.loggerDict.values()]:
-            for handler in getattr(logger, "handlers", ()):
-                if type(handler) is logging.StreamHandler and handler.stream is not sys.stdout:
-                    handler.stream = sys.stderr  # not setStream: it flushes the old, maybe closed, one
         try:
-            cli.main(args)
+            with log_handlers_writing_to(sys.stderr):  # this test's capture: their lines land in `stderr`
+                cli.main(args)
             code = 0
         except SystemExit as e:
             code = e.code or 0
