@@ -305,11 +305,8 @@ class VLLMServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         _install_hooks()
         env = self.environment()
-        if "VLLM_RPC_BASE_PATH" not in env:
-            # vLLM's processes talk over unix sockets it creates in the temp directory and never
-            # removes once killed (a few per start); in a directory of this server's, removed at stop.
-            self._ipc_dir = tempfile.mkdtemp(prefix="lit-rl-vllm-ipc-")
-            env["VLLM_RPC_BASE_PATH"] = self._ipc_dir
+        if "VLLM_RPC_BASE_PATH" not in env:  # vLLM's unix sockets, left in the temp dir when it is killed
+            env["VLLM_RPC_BASE_PATH"] = self._ipc_dir = tempfile.mkdtemp(prefix="lit-rl-vllm-ipc-")
         t0 = time.monotonic()
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(
@@ -368,9 +365,9 @@ class VLLMServer:
         if proc is not None and not stop_process_group(proc, self.stop_timeout):
             log.warning("VLLMServer: pid %d did not stop within %.0f s of SIGTERM; killed its group", proc.pid,
                         self.stop_timeout)
-        ipc_dir, self._ipc_dir = self._ipc_dir, None
-        if ipc_dir is not None:
-            shutil.rmtree(ipc_dir, ignore_errors=True)
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
 
     def diagnose(self) -> str:
         """One line on the server's state for error messages: running, or exit code plus log tail."""
