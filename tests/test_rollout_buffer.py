@@ -463,8 +463,10 @@ def test_a_killed_server_reaches_the_request_the_buffer_and_the_teacher_in_bound
     """A crashed inference server (SIGKILL of its process group, no graceful shutdown) reaches each
     of its users as a clear error within 30 s of the kill: a client's request in flight, a rollout
     buffer sampling from it, and a rollout buffer whose teacher it is (the session's server is that
-    buffer's policy). One doomed server serves all three checks, which saves two server start-ups
-    (~30 s each); all three are under way when it is killed."""
+    buffer's policy; it asks for the teacher's top 3 per token, as the dense divergences do, and the
+    client's `score` after the kill is the sampled-token request). One doomed server serves all
+    three checks, which saves two server start-ups (~30 s each); all three are under way when it
+    is killed."""
     model = write_tiny_checkpoint(tmp_path / "weights" / "step_0", seed=0)
     server = VLLMServer(model, dtype="float32", enforce_eager=True, max_model_len=1024, startup_timeout=300,
                         log_path=tmp_path / "vllm.log")  # 1024: room for the request's 1000 tokens
@@ -473,7 +475,7 @@ def test_a_killed_server_reaches_the_request_the_buffer_and_the_teacher_in_bound
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(40))
     distilling = RolloutBuffer(ReverseTextEnv(data), vllm_server.client, TOK, TrainSampling(max_tokens=8),
                                batch_size=4, group_size=2, num_retries=1, retry_backoff=0.1,
-                               teacher=lambda: server.client(max_retries=1))
+                               teacher=lambda: server.client(max_retries=1), teacher_top_k=3)  # top-k scoring
 
     def error_since(killed_at, rollouts, match):
         with pytest.raises(RolloutError, match=match) as err:
