@@ -5,8 +5,9 @@ All three start from the same weak student (the SFT demo stopped at step 40) and
 same teacher (the whole SFT demo, 300 steps), on the reverse-text tasks, on this machine's CPU
 with real vLLM servers:
 
-  opd          `examples/reverse_text/opd.yaml`: the student samples, the teacher scores every
-               token, per-token reverse KL.
+  opd          `examples/reverse_text/opd.yaml`: the student samples, the teacher server returns
+               its top 20 tokens per position, reverse KL over them and a tail bin (before
+               2026-12-04: the sampled-token estimator, 16 x 4, one step of staleness).
   grpo         `examples/reverse_text/grpo.yaml`: the student samples, the reverse-text reward
                (no teacher at all: what RL alone gets in the same time).
   sft_teacher  `examples/reverse_text/sft_teacher.yaml`: the teacher samples, the student trains
@@ -28,7 +29,11 @@ with real vLLM servers:
 
 A lit-rl method may carry modifiers after a `+` (`opd_topk_reverse_kl+group1+fresh`): `group1`
 samples one completion per task (64 tasks a step instead of 16 x 4, as TRL's batch is), `fresh`
-sets `max_staleness` 0 (every sample from the current weights, as TRL's are).
+sets `max_staleness` 0 (every sample from the current weights, as TRL's are); since 2026-12-04
+opd.yaml has both, and `group4` / `stale1` give its earlier batch (16 x 4, one step of staleness)
+that the tables before that date ran with. Any method, `trl`
+too, may carry `seedN` (`trl+seed1`): the run's seed (default: opd.yaml's `seed_everything`), to
+see how far two runs of one setting differ.
 
 Each runs `lit-rl fit` for `--minutes` of training (Lightning's `max_time`; the run's wall time,
 servers' start-up included, is reported beside it) with an HF export every `--every` steps. Afterwards every export
@@ -90,11 +95,23 @@ CONFIGS = {
 NO_TEACHER = ("grpo", "grpo_replay")
 IN_PROCESS = {"opd_reverse_kl": "reverse_kl", "opd_forward_kl": "forward_kl", "opd_jsd": "jsd"}
 SERVED_TOPK = {f"opd_topk_{d}": d for d in ("reverse_kl", "forward_kl", "jsd")}
-MODIFIERS = {"group1": ["--data.init_args.group_size", "1"], "fresh": ["--data.init_args.max_staleness", "0"]}
+MODIFIERS = {"group1": ["--data.init_args.group_size", "1"], "fresh": ["--data.init_args.max_staleness", "0"],
+             "group4": ["--data.init_args.group_size", "4"], "stale1": ["--data.init_args.max_staleness", "1"]}
 
 
 def base_method(method: str) -> str:
     return method.split("+")[0]
+
+
+def method_seed(method: str) -> int | None:
+    """N of a `+seedN` modifier, None without one."""
+    return next((int(m[4:]) for m in method.split("+")[1:] if m[:4] == "seed" and m[4:].isdigit()), None)
+
+
+def modifier_flags(method: str) -> list[str]:
+    seed = method_seed(method)
+    flags = [] if seed is None else ["--seed_everything", str(seed)]
+    return flags + [flag for m in method.split("+")[1:] if m in MODIFIERS for flag in MODIFIERS[m]]
 HELD_OUT = os.path.join(REPO, "examples", "reverse_text", "data", "test.jsonl")
 
 
@@ -114,10 +131,14 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = {m for m in args.methods if base_method(m) not in CONFIGS
-               or any(x not in MODIFIERS for x in m.split("+")[1:]) or (m != base_method(m) and base_method(m) == "trl")}
+    def known(method: str) -> bool:
+        mods = [m for m in method.split("+")[1:] if not (m[:4] == "seed" and m[4:].isdigit())]
+        return base_method(method) in CONFIGS and all(m in MODIFIERS for m in mods) and not (
+            mods and base_method(method) == "trl")
+
+    unknown = sorted(m for m in args.methods if not known(m))
     if unknown:
-        p.error(f"unknown methods {sorted(unknown)}; known: {list(CONFIGS)}, lit-rl's with +{'/+'.join(MODIFIERS)}")
+        p.error(f"unknown methods {unknown}; known: {list(CONFIGS)}, lit-rl's with +{'/+'.join(MODIFIERS)}, any with +seedN")
     for what in ("student", "teacher"):
         if not os.path.isfile(os.path.join(getattr(args, what), "STABLE")):
             p.error(f"--{what} {getattr(args, what)} is not a finished checkpoint; bash examples/reverse_text/run_opd_demo.sh makes both")
@@ -170,7 +191,7 @@ def train_method(args, method: str, root: str) -> float:
         seconds = int(round((args.minutes - minutes) * 60))
         cmd += ["--trainer.max_time", f"00:00:{minutes:02d}:{seconds:02d}", "--trainer.max_steps", "100000"]
     cmd += teacher_flags(args, base_method(method))
-    cmd += [flag for modifier in method.split("+")[1:] for flag in MODIFIERS[modifier]]
+    cmd += modifier_flags(method)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     started = time.perf_counter()
     with open(root + ".log", "w") as log:
@@ -196,8 +217,8 @@ def run_method(args, method: str, student: dict) -> dict:
     speed = {}
     if args.score_only:
         wall = None
-    elif method == "trl":
-        wall, speed = train_trl(args, root)
+    elif base_method(method) == "trl":
+        wall, speed = train_trl(args, root, method_seed(method))
     else:
         wall = train_method(args, method, root)
         speed = lit_rl_speed(root)
@@ -263,7 +284,7 @@ def main(argv=None) -> None:
 
 
 # ---- TRL (runs in a child process: `--trl-worker spec.json`) -----------------------------------------
-def train_trl(args, root: str) -> tuple[float, dict]:
+def train_trl(args, root: str, seed: int | None = None) -> tuple[float, dict]:
     """TRL's DistillationTrainer from the same student, teacher, prompts and optimizer settings, with
     an export into `root/weights/step_N` every `--every` steps (scored like lit-rl's)."""
     if not args.steps:
@@ -278,7 +299,7 @@ def train_trl(args, root: str) -> tuple[float, dict]:
     data = example["data"]["init_args"]
     spec = {"student": args.student, "teacher": args.teacher, "root": root, "steps": args.steps, "every": args.every,
             "lr": optimizer["init_args"]["lr"], "batch": data["batch_size"], "max_tokens": data["max_tokens"],
-            "prompts": os.path.join(REPO, data["env"]["init_args"]["path"]), "seed": example.get("seed_everything", 0),
+            "prompts": os.path.join(REPO, data["env"]["init_args"]["path"]), "seed": example.get("seed_everything", 0) if seed is None else seed,
             "out": os.path.join(root, "trl_result.json")}
     spec_path = os.path.join(root, "trl_spec.json")
     with open(spec_path, "w") as f:

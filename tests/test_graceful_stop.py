@@ -190,6 +190,7 @@ def test_sigterm_to_the_whole_opd_job_saves_and_resumes(vllm_server, data, tmp_p
         return ["fit", "--config", str(EXAMPLES / "opd.yaml"), "--model.init_args.model", str(vllm_server.model_dir),
                 "--data.init_args.env.init_args.path", data, "--data.init_args.batch_size", "8",
                 "--data.init_args.group_size", "2", "--data.init_args.max_tokens", "12",
+                "--data.init_args.max_staleness", "1",  # rollouts run ahead of training when the stop comes
                 "--inference.base_url", vllm_server.base_url, "--inference.server", "{}",
                 "--model.init_args.divergence", "reverse_kl", "--model.init_args.teacher_top_k", "8",
                 "--trainer.default_root_dir", str(root), "--trainer.max_steps", str(steps), *extra]
