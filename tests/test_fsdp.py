@@ -171,8 +171,8 @@ def test_activation_checkpointing_under_fsdp2_gives_the_same_update(runs):
 
 
 def test_opd_under_fsdp2_with_a_real_server(vllm_server, tmp_path):
-    """OPD, 2 sharded ranks, synchronous, the session's server as the policy's server and as the
-    teacher (no second server to start): the student's logprobs from the sharded model match the
+    """OPD with the sampled-token loss, 2 sharded ranks, synchronous, the session's server as the
+    policy's server and as the teacher (no second server to start): the student's logprobs from the sharded model match the
     server's after every sync, and each rank trains its half of each batch."""
     from test_opd import CONFIG as OPD, opd_args
 
@@ -181,7 +181,7 @@ def test_opd_under_fsdp2_with_a_real_server(vllm_server, tmp_path):
     args = opd_args(root, data, str(vllm_server.model_dir), 2, "--inference.base_url", vllm_server.base_url,
                     "--inference.server", "{}", "--inference.teacher_model", "null",
                     "--inference.teacher_server", "{}", "--inference.teacher_base_url", vllm_server.base_url,
-                    "--data.init_args.max_staleness", "0")
+                    "--data.init_args.max_staleness", "0", "--model.init_args.divergence", "sampled_reverse_kl")
     args[args.index(OPD) + 1:args.index(OPD) + 1] = ["--config", FSDP2]
     ok(args)
     rows = [r for r in metrics(root).values() if "train/reverse_kl" in r]
