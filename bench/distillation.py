@@ -31,7 +31,9 @@ A lit-rl method may carry modifiers after a `+` (`opd_topk_reverse_kl+group1+fre
 samples one completion per task (64 tasks a step instead of 16 x 4, as TRL's batch is), `fresh`
 sets `max_staleness` 0 (every sample from the current weights, as TRL's are); since 2026-12-04
 opd.yaml has both, and `group4` / `stale1` give its earlier batch (16 x 4, one step of staleness)
-that the tables before that date ran with. Any method, `trl`
+that the tables before that date ran with. For `opd_sampled`: `rawadv` trains the raw advantage
+(no baseline, as before 2026-12-04), `clip1` clips each token's advantage to [-1, 1], `warmup10`
+warms the lr up linearly over 10 steps (transformers' constant_with_warmup). Any method, `trl`
 too, may carry `seedN` (`trl+seed1`): the run's seed (default: opd.yaml's `seed_everything`), to
 see how far two runs of one setting differ.
 
@@ -96,7 +98,11 @@ NO_TEACHER = ("grpo", "grpo_replay")
 IN_PROCESS = {"opd_reverse_kl": "reverse_kl", "opd_forward_kl": "forward_kl", "opd_jsd": "jsd"}
 SERVED_TOPK = {f"opd_topk_{d}": d for d in ("reverse_kl", "forward_kl", "jsd")}
 MODIFIERS = {"group1": ["--data.init_args.group_size", "1"], "fresh": ["--data.init_args.max_staleness", "0"],
-             "group4": ["--data.init_args.group_size", "4"], "stale1": ["--data.init_args.max_staleness", "1"]}
+             "group4": ["--data.init_args.group_size", "4"], "stale1": ["--data.init_args.max_staleness", "1"],
+             "rawadv": ["--model.init_args.advantage_baseline", "none"],
+             "clip1": ["--model.init_args.advantage_clip", "1.0"],
+             "warmup10": ["--model.init_args.lr_scheduler", json.dumps({"class_path": "lit_rl.optim.LRSchedule", "init_args": {
+                 "name": "constant_with_warmup", "warmup_steps": 10}})]}
 
 
 def base_method(method: str) -> str:

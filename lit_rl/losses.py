@@ -234,6 +234,28 @@ def policy_loss(
 
 # ---- on-policy distillation ------------------------------------------------------------------------------
 OPD_METRICS = ("reverse_kl", "mismatch_kl", "is_capped_fraction")
+#: what the sampled-token estimator's advantage is centred on: nothing, or its mean over the whole step
+ADVANTAGE_BASELINES = ("none", "step_mean")
+
+
+def check_advantage_options(baseline: str, advantage_clip: float | None) -> list[str]:
+    """Every problem with the sampled-token estimator's advantage options, for one error at start-up."""
+    problems = []
+    if baseline not in ADVANTAGE_BASELINES:
+        problems.append(f"advantage_baseline must be one of {ADVANTAGE_BASELINES}, got {baseline!r}")
+    if advantage_clip is not None and not advantage_clip > 0:
+        problems.append(f"advantage_clip must be > 0 or null, got {advantage_clip}")
+    return problems
+
+
+def distillation_advantage(teacher_logprobs: torch.Tensor, inference_logprobs: torch.Tensor,
+                           advantage_clip: float | None = None) -> torch.Tensor:
+    """Each sampled token's distillation advantage, detached, any shape: teacher minus sampler
+    logprob (minus the token's reverse-KL estimate), clipped to [-advantage_clip, advantage_clip]
+    when given. The clip bounds what one token the teacher finds near impossible (log q of -20)
+    can do to a step; it biases the estimate towards 0 for exactly those tokens."""
+    advantage = (teacher_logprobs - inference_logprobs).detach()
+    return advantage if advantage_clip is None else advantage.clamp(-advantage_clip, advantage_clip)
 
 
 def opd_loss_sums(
@@ -247,17 +269,21 @@ def opd_loss_sums(
     is_cap: float = 2.0,
     advantages: torch.Tensor | None = None,
     reward_weight: float = 0.0,
+    advantage_clip: float | None = None,
+    baseline: float | torch.Tensor = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The numerator of `opd_loss` and its metric sums over masked tokens, tensors of one shape.
 
     Sums over any split (micro-batches, ranks) add up; divide by the masked tokens of the
-    whole step. `advantages` (per token, e.g. GRPO's group-relative reward advantage) are
-    added to the distillation advantage with `reward_weight`. Metric sums: reverse_kl
-    (inference - teacher), mismatch_kl, is_capped_fraction, and "tokens" (the count).
+    whole step. `baseline` (a number: the step's mean `distillation_advantage` for the
+    ``step_mean`` baseline, computed before the split) is subtracted from every token's
+    distillation advantage; `advantages` (per token, e.g. GRPO's group-relative reward
+    advantage) are added to it with `reward_weight`. Metric sums: reverse_kl (inference -
+    teacher), mismatch_kl, is_capped_fraction, and "tokens" (the count).
     """
     mask = loss_mask.bool()
     lp, old, inf, teacher = logprobs[mask], old_logprobs[mask], inference_logprobs[mask], teacher_logprobs[mask]  # [N]
-    advantage = (teacher - inf).detach()  # [N]: minus the per-token reverse KL estimate of the sampled token
+    advantage = distillation_advantage(teacher, inf, advantage_clip) - baseline  # [N]
     if advantages is not None and reward_weight:
         advantage = advantage + reward_weight * advantages[mask].detach()  # [N]
     log_w, weight = behaviour_weight(old, inf, is_correction, is_cap)  # [N], [N]
@@ -281,22 +307,36 @@ def opd_loss(
     *,
     is_correction: str = "token_truncate",
     is_cap: float = 2.0,
+    advantage_baseline: str = "none",
+    advantage_clip: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """On-policy distillation: a per-token reverse KL to a teacher, as a policy gradient: the
     reference definition (training uses `opd_loss_sums`, held to this by the tests).
 
-    All tensors [B, T]. Per masked token: a = teacher_logprobs - inference_logprobs (detached;
-    the sampled token's negative reverse KL estimate log q(x) - log p(x), no discount over later
-    tokens), r = exp(logprobs - old_logprobs), w the behaviour weight exp(old - inference)
-    corrected as in `policy_loss`, l = -w r a. Aggregated as the sum over masked tokens / their
-    number. Metrics (means over masked tokens): reverse_kl = inference - teacher, mismatch_kl,
-    is_capped_fraction.
+    All tensors [B, T], the whole step. Per masked token: a = teacher_logprobs -
+    inference_logprobs (detached; the sampled token's negative reverse KL estimate log q(x) -
+    log p(x), no discount over later tokens), clipped to [-advantage_clip, advantage_clip] if
+    given, minus the baseline b (``step_mean``: the mean of the clipped a over the step's masked
+    tokens; ``none``: 0), r = exp(logprobs - old_logprobs), w the behaviour weight exp(old -
+    inference) corrected as in `policy_loss`, l = -w r (a - b). Aggregated as the sum over masked
+    tokens / their number. Metrics (means over masked tokens): reverse_kl = inference - teacher,
+    mismatch_kl, is_capped_fraction.
+
+    Why a baseline: a = -KL on average, so without one nearly every sampled token is pushed
+    down, and only the noise of which tokens were sampled decides where the mass goes. A
+    constant b changes nothing in expectation (E_p[grad log p] = 0 at every position) and
+    removes that noise; from the step's own tokens it is off by one token in N (N: thousands).
     """
-    problems = check_behaviour_options(is_correction, is_cap)
+    problems = check_behaviour_options(is_correction, is_cap) + check_advantage_options(advantage_baseline, advantage_clip)
     if problems:
         raise ValueError("opd_loss: " + "; ".join(problems))
+    mask = loss_mask.bool()
+    baseline = 0.0
+    if advantage_baseline == "step_mean" and mask.any():
+        baseline = distillation_advantage(teacher_logprobs[mask], inference_logprobs[mask], advantage_clip).mean()
     loss_sum, sums = opd_loss_sums(logprobs, old_logprobs, inference_logprobs, teacher_logprobs, loss_mask,
-                                   is_correction=is_correction, is_cap=is_cap)
+                                   is_correction=is_correction, is_cap=is_cap, advantage_clip=advantage_clip,
+                                   baseline=baseline)
     tokens = max(float(sums["tokens"]), 1.0)
     return loss_sum / tokens, {name: float(sums[name]) / tokens for name in OPD_METRICS}
 

@@ -71,6 +71,10 @@ def test_bad_options_are_one_error_naming_each():
     assert "divergence must be one of" in str(e.value) and "beta must be in [0, 1], got 1.5" in str(e.value)
     with pytest.raises(ValueError, match="reward_weight"):
         OPD(model=TINY_MODEL, divergence="reverse_kl", reward_weight=0.5)
+    with pytest.raises(ValueError, match="advantage_clip clips the sampled-token advantage; divergence 'jsd'"):
+        OPD(model=TINY_MODEL, divergence="jsd", advantage_clip=1.0)
+    with pytest.raises(ValueError, match="advantage_baseline must be one of"):
+        OPD(model=TINY_MODEL, advantage_baseline="mean")
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +87,10 @@ def models(tmp_path_factory):
     return load_causal_lm(TINY_MODEL, random_init=True, seed=0), teacher, str(teacher_dir)
 
 
-def reference_update(student, teacher, samples, divergence, beta):
+def reference_update(student, teacher, samples, divergence, beta, **advantage_options):
     """Parameters after one SGD step (lr 1) on the loss over all samples as one [B, T] batch: the
-    divergence of the full logits at every trained position over their number, or opd_loss."""
+    divergence of the full logits at every trained position over their number, or opd_loss (with
+    `advantage_options`: its baseline, over the whole step, and clip)."""
     student = copy.deepcopy(student)
     lp, inf, _, mask, _ = as_batch(student, samples)  # [B, T] x 4
     if divergence == "sampled_reverse_kl":
@@ -94,7 +99,7 @@ def reference_update(student, teacher, samples, divergence, beta):
             ids = torch.tensor([s.input_ids])
             with torch.no_grad():
                 teacher_lp[b, : len(s)] = shifted_token_logprobs(teacher(input_ids=ids, use_cache=False).logits, ids)[0]
-        loss, _ = opd_loss(lp, lp.detach(), inf, teacher_lp * mask, mask)
+        loss, _ = opd_loss(lp, lp.detach(), inf, teacher_lp * mask, mask, **advantage_options)
     else:
         beta = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": beta}[divergence]
         total, count = torch.zeros(()), 0
@@ -109,15 +114,22 @@ def reference_update(student, teacher, samples, divergence, beta):
     return sgd_step(student, loss), loss.item()
 
 
-@pytest.mark.parametrize("divergence, beta", [("reverse_kl", 0.5), ("forward_kl", 0.5), ("jsd", 0.3),
-                                              ("sampled_reverse_kl", 0.5)])
-def test_one_step_with_the_teacher_in_process_equals_the_reference(models, divergence, beta):
+SAMPLED_STEP_MEAN = {"advantage_baseline": "step_mean"}  # the default
+SAMPLED_RAW_CLIPPED = {"advantage_baseline": "none", "advantage_clip": 0.05}
+
+
+@pytest.mark.parametrize("divergence, beta, advantage_options", [
+    ("reverse_kl", 0.5, {}), ("forward_kl", 0.5, {}), ("jsd", 0.3, {}),
+    ("sampled_reverse_kl", 0.5, SAMPLED_STEP_MEAN), ("sampled_reverse_kl", 0.5, SAMPLED_RAW_CLIPPED)])
+def test_one_step_with_the_teacher_in_process_equals_the_reference(models, divergence, beta, advantage_options):
+    """Whole step at once and split into packed micro-batches: the same update (for the sampled
+    estimator's step-mean baseline: the mean over all micro-batches, not each one's own)."""
     student, teacher, teacher_dir = models
     samples = rollout_samples(student, n=8)
-    want, want_loss = reference_update(student, teacher, samples, divergence, beta)
+    want, want_loss = reference_update(student, teacher, samples, divergence, beta, **advantage_options)
     for budget, packing in [(4096, "padded"), (40, "packed")]:
         module = OPD(model=TINY_MODEL, optimizer=sgd, max_grad_norm=None, divergence=divergence, beta=beta,
-                     teacher_model=teacher_dir, head_chunk_size=7)
+                     teacher_model=teacher_dir, head_chunk_size=7, **advantage_options)
         module.model = copy.deepcopy(student)
         step = build_step(samples, micro_batch_tokens=budget, packing=packing)
         assert budget == 4096 or len(step["micro_batches"]) > 2  # the small budget really splits the step
@@ -134,9 +146,11 @@ def test_one_step_with_the_teacher_in_process_equals_the_reference(models, diver
 
 
 @pytest.mark.slow
-def test_the_teacher_in_process_sharded_with_the_student_gives_the_one_process_update(models, tmp_path):
+@pytest.mark.parametrize("divergence", ["reverse_kl", "sampled_reverse_kl"])
+def test_the_teacher_in_process_sharded_with_the_student_gives_the_one_process_update(models, tmp_path, divergence):
     """FSDP2, 2 CPU processes, student and teacher both sharded, each rank half the samples: the
-    update is the reference over all samples (the divergence normalised by both ranks' positions)."""
+    update is the reference over all samples (the divergence normalised by both ranks' positions;
+    the sampled estimator's step-mean baseline over both ranks' tokens)."""
     import json
     import os
     import subprocess
@@ -147,9 +161,10 @@ def test_the_teacher_in_process_sharded_with_the_student_gives_the_one_process_u
     from helpers import REPO
 
     student, teacher, teacher_dir = models
-    want, want_loss = reference_update(student, teacher, rollout_samples(student, n=8), "reverse_kl", 0.5)
+    options = SAMPLED_STEP_MEAN if divergence == "sampled_reverse_kl" else {}
+    want, want_loss = reference_update(student, teacher, rollout_samples(student, n=8), divergence, 0.5, **options)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, str(REPO / "tests" / "fsdp_opd_step.py"), teacher_dir, "reverse_kl",
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "fsdp_opd_step.py"), teacher_dir, divergence,
                           str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())

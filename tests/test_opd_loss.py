@@ -43,6 +43,29 @@ def test_opd_loss_by_hand(correction, weights):
     assert metrics["is_capped_fraction"] == pytest.approx(1 / 3)
 
 
+@pytest.mark.parametrize("clip", [None, 0.9])
+def test_the_step_mean_baseline_and_the_clip_by_hand(clip):
+    """a = [ln 0.5, ln 0.5, ln 3] = [-0.693, -0.693, 1.099]; clipped at 0.9: [-0.693, -0.693, 0.9].
+    The baseline is their mean b; each token's loss -w r (a - b) (weights 1: no correction)."""
+    lp, inf, teacher, mask = rows()
+    a = [LN(0.5), LN(0.5), LN(3.0) if clip is None else 0.9]
+    b = sum(a) / 3
+    loss, metrics = opd_loss(lp, lp.detach(), inf, teacher, mask, is_correction="none", advantage_baseline="step_mean",
+                             advantage_clip=clip)
+    assert loss.item() == pytest.approx(-sum(x - b for x in a) / 3, abs=1e-6)  # 0: a - b sums to 0 when w = 1
+    (grad,) = torch.autograd.grad(loss, lp)
+    want_grad = [[0.0, -(a[0] - b) / 3, -(a[1] - b) / 3], [0.0, -(a[2] - b) / 3, 0.0]]
+    assert grad.tolist() == [pytest.approx(row, abs=1e-6) for row in want_grad]
+    assert (a[0] - b) < 0 < (a[2] - b)  # the token the teacher likes better than average is pushed up
+    assert metrics["reverse_kl"] == pytest.approx((LN(2) + LN(2) - LN(3)) / 3, abs=1e-6)  # the metric is never clipped
+
+
+def test_the_clip_alone_bounds_each_advantage():
+    lp, inf, teacher, mask = rows()
+    loss, _ = opd_loss(lp, lp.detach(), inf, teacher, mask, is_correction="none", advantage_clip=0.5)
+    assert loss.item() == pytest.approx(-(-0.5 - 0.5 + 0.5) / 3, abs=1e-6)
+
+
 def test_the_ratio_carries_the_gradient_when_the_trainer_moved():
     """Several updates per batch: r = exp(logp - old) != 1 scales the token's loss and gradient."""
     lp = torch.tensor([[0.0, LN(1.5)]], requires_grad=True)
@@ -74,3 +97,6 @@ def test_bad_options_are_refused():
         opd_loss(lp, lp, inf, teacher, mask, is_correction="sequence")
     with pytest.raises(ValueError, match="is_cap"):
         opd_loss(lp, lp, inf, teacher, mask, is_cap=0.0)
+    with pytest.raises(ValueError) as e:
+        opd_loss(lp, lp, inf, teacher, mask, advantage_baseline="group", advantage_clip=0.0)
+    assert "advantage_baseline must be one of" in str(e.value) and "advantage_clip must be > 0" in str(e.value)

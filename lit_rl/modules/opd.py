@@ -12,7 +12,9 @@ returns decide which `divergence` can be trained:
   per-token advantage is the teacher's logprob minus the sampler's, the negative of the sampled
   token's reverse-KL estimate, with no discount over later tokens (Agarwal et al. 2024; Thinking
   Machines' "On-Policy Distillation"), trained as a policy gradient (`lit_rl.losses.opd_loss`)
-  with GRPO's behaviour-policy correction. The dense divergences use the second: both
+  with GRPO's behaviour-policy correction, each token's advantage centred on the step's mean
+  (`advantage_baseline`: without it nearly every sampled token is pushed down, and the first
+  steps lose held-out reward). The dense divergences use the second: both
   distributions coarsened to the teacher's top k and one bin for the rest of the vocabulary
   (`lit_rl.losses.topk_bins`), the student's side from the trainer's own logits at trained
   positions (`lit_rl.chunked_head.selected_topk_divergence_sum`).
@@ -38,11 +40,14 @@ import torch
 
 from lit_rl.chunked_head import selected_divergence_sum, selected_topk_divergence_sum
 from lit_rl.errors import ConfigError
-from lit_rl.losses import (OPD_METRICS, check_behaviour_options, check_divergence_options, divergence_beta,
-                           opd_loss_sums, token_divergence, topk_bins)
+from lit_rl.losses import (OPD_METRICS, check_advantage_options, check_behaviour_options, check_divergence_options,
+                           distillation_advantage, divergence_beta, opd_loss_sums, token_divergence, topk_bins)
 from lit_rl.modules.base import CausalLMModule
 from lit_rl.modules.model_loading import load_causal_lm
 from lit_rl.sharding import apply_fsdp2, is_sharded
+
+
+IN_PROCESS_TEACHER_LOGPROBS = "in_process_teacher_logprobs"  # where a micro-batch keeps them within a step
 
 
 class OPD(CausalLMModule):
@@ -58,6 +63,8 @@ class OPD(CausalLMModule):
         is_correction: str = "token_truncate",
         is_cap: float = 2.0,
         reward_weight: float = 0.0,
+        advantage_baseline: str = "step_mean",
+        advantage_clip: float | None = None,
         log_entropy: bool = True,
         **kwargs,
     ):
@@ -82,12 +89,20 @@ class OPD(CausalLMModule):
             is_cap: the cap of w.
             reward_weight: weight of the environment's group-relative reward advantage added to
                 each token's distillation advantage (``sampled_reverse_kl`` only); 0: distillation only.
+            advantage_baseline: ``sampled_reverse_kl``'s baseline: ``step_mean`` subtracts the mean
+                distillation advantage of the step's trained tokens (all micro-batches and ranks) from
+                each, so that sampled tokens the teacher likes better than average are pushed up and
+                the rest down (unbiased: E[grad log p] = 0); ``none`` keeps the raw advantage, which
+                is -KL on average and pushes nearly every sampled token down (docs/distillation.md).
+            advantage_clip: ``sampled_reverse_kl``: each token's distillation advantage clipped to
+                [-advantage_clip, advantage_clip] before the baseline; None: not clipped.
             log_entropy: log the mean entropy of the distributions the completion tokens were
                 sampled from (an extra pass over each head chunk, no backward).
             *args, **kwargs: the `CausalLMModule` arguments (model, optimizer, ...).
         """
         super().__init__(*args, **kwargs)
-        problems = check_behaviour_options(is_correction, is_cap) + check_divergence_options(divergence, beta)
+        problems = (check_behaviour_options(is_correction, is_cap) + check_divergence_options(divergence, beta)
+                    + check_advantage_options(advantage_baseline, advantage_clip))
         if not isinstance(teacher_top_k, int) or isinstance(teacher_top_k, bool) or teacher_top_k < 1:
             problems.append(f"teacher_top_k must be an int >= 1, got {teacher_top_k!r}")
         if reward_weight < 0:
@@ -95,10 +110,14 @@ class OPD(CausalLMModule):
         if reward_weight and divergence != "sampled_reverse_kl":
             problems.append(f"reward_weight mixes a reward into the sampled-token advantage; divergence {divergence!r} "
                             "has none (use divergence 'sampled_reverse_kl' or reward_weight 0)")
+        if advantage_clip is not None and divergence != "sampled_reverse_kl":
+            problems.append(f"advantage_clip clips the sampled-token advantage; divergence {divergence!r} has none "
+                            "(use divergence 'sampled_reverse_kl' or advantage_clip null)")
         if problems:
             raise ValueError("OPD: " + "; ".join(problems))
         self.divergence, self.beta, self.teacher_model, self.teacher_top_k = divergence, beta, teacher_model, teacher_top_k
         self.is_correction, self.is_cap, self.reward_weight, self.log_entropy = is_correction, is_cap, reward_weight, log_entropy
+        self.advantage_baseline, self.advantage_clip = advantage_baseline, advantage_clip
         # The in-process teacher stays outside the module tree: not trained, not in checkpoints or exports.
         object.__setattr__(self, "teacher", None)
 
@@ -158,25 +177,61 @@ class OPD(CausalLMModule):
         if problem:
             raise ConfigError(f"OPD: model.teacher_model {self.teacher_model} {problem}")
 
+    # ---- the sampled-token estimator's baseline ---------------------------------------------------
+    @property
+    def step_statistic_names(self) -> tuple[str, ...]:
+        centred = not self.dense and self.advantage_baseline == "step_mean"
+        return ("advantage_sum", "advantage_tokens") if centred else ()
+
+    def step_statistics(self, micro_batch: dict) -> dict[str, torch.Tensor]:
+        """The step-mean baseline's sums: the distillation advantage over this micro-batch's trained
+        tokens. An in-process teacher's logprobs are computed here once and kept on the micro-batch."""
+        if not self.step_statistic_names:
+            return {}
+        micro_batch.update(self._with_teacher_logprobs(micro_batch))
+        mask = micro_batch["loss_mask"].bool()
+        advantage = distillation_advantage(micro_batch["teacher_logprobs"][mask], micro_batch["logprobs"][mask],
+                                           self.advantage_clip)  # [N]
+        return {"advantage_sum": advantage.sum(), "advantage_tokens": mask.sum().float()}
+
+    def _with_teacher_logprobs(self, micro_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The micro-batch with the teacher's logprob of each trained token: a teacher server's (on the
+        samples), or the in-process teacher's, computed once per micro-batch and step (kept under
+        ``in_process_teacher_logprobs``). The in-process teacher runs on every micro-batch, stand-ins
+        too: under FSDP each of its forwards is a collective that every rank must join."""
+        if self.teacher is None:
+            if "teacher_logprobs" not in micro_batch:
+                raise ValueError("OPD: the samples carry no teacher_logprobs: set inference.teacher_model or "
+                                 "inference.teacher_base_url (a teacher server), or model.teacher_model")
+            return micro_batch
+        scored = micro_batch.get(IN_PROCESS_TEACHER_LOGPROBS)
+        if scored is None:
+            with torch.no_grad():
+                scored, _ = self.target_logprobs(micro_batch, model=self.teacher)  # [B, T]
+        return {**micro_batch, IN_PROCESS_TEACHER_LOGPROBS: scored, "teacher_logprobs": scored}
+
+    def _baseline(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor | float:
+        """The ``step_mean`` baseline: from the step's totals in a training step, else (validation)
+        over this micro-batch alone."""
+        if not self.step_statistic_names:
+            return 0.0
+        totals = self.step_totals or self.step_statistics(dict(micro_batch))
+        return totals["advantage_sum"] / max(float(totals["advantage_tokens"]), 1.0)
+
     # ---- the loss ---------------------------------------------------------------------------------
     def micro_batch_loss_sum(self, micro_batch: dict[str, torch.Tensor]):
         if "logprobs" not in micro_batch:
             raise ValueError("OPD trains on the student's own samples with their sampling logprobs; use a RolloutDataModule")
         if self.dense:
             return self._dense_loss_sum(micro_batch)
-        if self.teacher is not None:  # the teacher's logprob of each trained token, as a teacher server gives it
-            with torch.no_grad():
-                teacher_logprobs, _ = self.target_logprobs(micro_batch, model=self.teacher)  # [B, T]
-            micro_batch = {**micro_batch, "teacher_logprobs": teacher_logprobs}
-        elif "teacher_logprobs" not in micro_batch:
-            raise ValueError("OPD: the samples carry no teacher_logprobs: set inference.teacher_model or "
-                             "inference.teacher_base_url (a teacher server), or model.teacher_model")
+        micro_batch = self._with_teacher_logprobs(micro_batch)
         logprobs, entropy = self.target_logprobs(micro_batch, with_entropy=self.log_entropy)  # [B, T], [B, T]
         mask = micro_batch["loss_mask"]  # [B, T]
         loss_sum, sums = opd_loss_sums(
             logprobs, logprobs.detach(), micro_batch["logprobs"], micro_batch["teacher_logprobs"], mask,
             is_correction=self.is_correction, is_cap=self.is_cap,
             advantages=micro_batch.get("advantages"), reward_weight=self.reward_weight,
+            advantage_clip=self.advantage_clip, baseline=self._baseline(micro_batch),
         )
         return loss_sum, self.token_means(sums, OPD_METRICS, entropy, mask)
 

@@ -3,14 +3,15 @@
 A batch from a lit-rl data module is one whole optimizer step, already split into
 micro-batches, so the step can count what its loss is divided by before any backward:
 
-    counts = _step_counts(micro_batches)      # one collective: normalisers and tokens, by part
+    counts = _step_counts(micro_batches)      # one collective: normalisers, tokens and step statistics
     sums = _backward(micro_batches, counts)   # each part's loss over its own count, backward
     grad_norm, lr = _optimizer_step()         # clip, step, free the gradients, schedule
     _log_step(...)                            # one collective for every logged sum
 
 The loss and gradient then do not depend on the micro-batch split, the gradient-accumulation
 count or the number of ranks. The module supplies `micro_batch_loss_sum`, `loss_normaliser`
-and `target_cross_entropy_sum` (lit_rl/modules/base.py).
+and `target_cross_entropy_sum` (lit_rl/modules/base.py), and `step_statistics` when its loss
+needs a number of the whole step (OPD's step-mean baseline), read from `step_totals`.
 """
 
 from __future__ import annotations
@@ -54,6 +55,18 @@ class TrainingStep:
             return trained_tokens(micro_batch)
         return self.loss_normaliser(micro_batch)
 
+    # ---- numbers of the whole step that a loss needs before its first backward -----------------
+    #: the names `step_statistics` returns (the same on every rank: they go into one collective)
+    step_statistic_names: tuple[str, ...] = ()
+    #: during `training_step`: `_step_counts`' totals (the step statistics included); None otherwise
+    step_totals: dict[str, torch.Tensor] | None = None
+
+    def step_statistics(self, micro_batch: dict) -> dict[str, float | torch.Tensor]:
+        """Sums over one of the algorithm's own micro-batches (not replayed cross-entropy rows)
+        that `_step_counts` adds up over the step and all ranks before any backward; the loss
+        reads the totals from `step_totals`. Default: none."""
+        return {}
+
     def _empty_micro_batch(self) -> dict[str, torch.Tensor]:
         """Stands in when every row of this rank's step was skipped, so gradient sync still lines up."""
         ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
@@ -96,10 +109,13 @@ class TrainingStep:
     def _step_counts(self, micro_batches: list[dict]) -> dict[str, torch.Tensor]:
         """Counted before any backward, over all micro-batches and ranks (one collective):
         ``targets`` (the step's trained tokens), and per part its ``normaliser/<part>`` and its
-        trained ``tokens/<part>``."""
-        local: dict[str, float] = {"targets": 0.0}
+        trained ``tokens/<part>``, and the module's `step_statistics`."""
+        local: dict[str, float] = {"targets": 0.0, **dict.fromkeys(self.step_statistic_names, 0.0)}
         for mb in micro_batches:
             part, targets = self._part(mb), trained_tokens(mb)
+            if not self._feeds_cross_entropy(mb):
+                for name, value in self.step_statistics(mb).items():
+                    local[name] += value
             local["targets"] += targets
             local[f"normaliser/{part}"] = local.get(f"normaliser/{part}", 0.0) + self._part_normaliser(mb)
             local[f"tokens/{part}"] = local.get(f"tokens/{part}", 0.0) + targets
@@ -196,7 +212,11 @@ class TrainingStep:
         compute_start = time.perf_counter()
         micro_batches = self._step_micro_batches(batch)
         counts = self._step_counts(micro_batches)
-        sums = self._backward(micro_batches, counts, mixed=bool(batch.get("parts")))
+        self.step_totals = counts
+        try:
+            sums = self._backward(micro_batches, counts, mixed=bool(batch.get("parts")))
+        finally:
+            self.step_totals = None
         grad_norm, lr = self._optimizer_step()
         return self._log_step(batch, counts, sums, grad_norm, lr, start, compute_start)
 
