@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from lit_rl.sampling_process import RAW, SamplingProcess
+
 DEFAULT_CHUNK_SIZE = 1024
 
 
@@ -60,21 +62,21 @@ def _accumulate(buffer: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 class _SelectedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, with_entropy, process):
         n = hidden.shape[0]
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
         entropy = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None  # [N]
         for a in range(0, n, chunk_size):
             b = min(a + chunk_size, n)
-            logits = _chunk_logits(hidden[a:b], weight, bias)  # [C, V]
+            logits = process.apply(_chunk_logits(hidden[a:b], weight, bias), targets[a:b])  # [C, V]
             lse[a:b] = torch.logsumexp(logits, dim=-1)  # [C]
             logprobs[a:b] = logits.gather(-1, targets[a:b, None]).squeeze(-1) - lse[a:b]  # [C]
             if with_entropy:
                 logp = logits.sub_(lse[a:b, None])  # [C, V], in place: logits are not needed any more
                 entropy[a:b] = -(logp.exp() * logp).sum(-1)  # [C]
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.process = chunk_size, process
         ctx.mark_non_differentiable(targets)
         return logprobs, entropy
 
@@ -87,18 +89,21 @@ class _SelectedLogprobs(torch.autograd.Function):
         for a in range(0, hidden.shape[0], ctx.chunk_size):
             b = min(a + ctx.chunk_size, hidden.shape[0])
             h = hidden[a:b]  # [C, H]
-            logp = _chunk_logits(h, weight, bias).sub_(lse[a:b, None])  # [C, V]
-            p = logp.exp()  # [C, V]
-            # d logp(target) / d logits = onehot(target) - p
+            # the processed logits again: the same kept tokens as in forward (a pure function of the logits)
+            logp = ctx.process.apply(_chunk_logits(h, weight, bias), targets[a:b]).sub_(lse[a:b, None])  # [C, V]
+            p = logp.exp()  # [C, V]: 0 where top-k / top-p dropped a token
+            # d logp(target) / d processed logits = onehot(target) - p
             grad_logits = torch.zeros_like(p)  # [C, V]
             if grad_logprobs is not None:
                 g = grad_logprobs[a:b, None]  # [C, 1]
                 grad_logits.addcmul_(p, g, value=-1.0)
                 grad_logits.scatter_add_(-1, targets[a:b, None], g)
-            # d entropy / d logits = -p * (logp + entropy)
+            # d entropy / d processed logits = -p * (logp + entropy)
             if grad_entropy is not None and entropy is not None:
                 logp.add_(entropy[a:b, None]).mul_(p)  # [C, V]: p * (logp + H)
                 grad_logits.addcmul_(logp, grad_entropy[a:b, None], value=-1.0)
+            if ctx.process.temperature != 1.0:  # processed = logits / T, dropped tokens carry no gradient
+                grad_logits.div_(ctx.process.temperature)
             grad_logits = grad_logits.to(weight.dtype)  # [C, V]
             if need_h:
                 grad_hidden[a:b] = grad_logits @ weight  # [C, H]
@@ -107,7 +112,7 @@ class _SelectedLogprobs(torch.autograd.Function):
             if need_b:
                 grad_bias.add_(grad_logits.sum(0, dtype=torch.float32))  # [V]
         to = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
-        return grad_hidden, to(grad_weight, weight), to(grad_bias, bias) if bias is not None else None, None, None, None
+        return grad_hidden, to(grad_weight, weight), to(grad_bias, bias) if bias is not None else None, None, None, None, None
 
 
 def selected_token_logprobs(
@@ -118,16 +123,19 @@ def selected_token_logprobs(
     bias: torch.Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     with_entropy: bool = False,
+    process: SamplingProcess = RAW,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probability of `targets` under `hidden @ weight.T + bias`, and optionally the entropy
     of each position's distribution, computed `chunk_size` positions at a time.
 
     hidden [N, H] (the decoder's final hidden states at the selected positions), weight [V, H],
     bias [V] or None, targets [N] (token ids). Returns (logprobs [N], entropy [N] or None), both
-    float32 and differentiable. Equal to ``log_softmax(full logits.float()).gather(targets)``.
+    float32 and differentiable. Equal to ``log_softmax(full logits.float()).gather(targets)``;
+    with a `process` (temperature, top-k, top-p: `lit_rl.sampling_process`), of the distribution
+    the sampler drew from, ``log_softmax(process.apply(full logits, targets)).gather(targets)``.
     """
     _check(hidden, weight, targets, chunk_size)
-    return _SelectedLogprobs.apply(hidden, weight, bias, targets, chunk_size, with_entropy)
+    return _SelectedLogprobs.apply(hidden, weight, bias, targets, chunk_size, with_entropy, process)
 
 
 class _SelectedCrossEntropySum(torch.autograd.Function):

@@ -109,4 +109,16 @@ def test_every_source_problem_is_reported_at_once_before_any_server(data, tmp_pa
                                            "--inference.teacher_model", "null", "--inference.teacher_server", "{}",
                                            "--trainer.max_steps", "2"))
     assert code == 1 and "SFT may not train on the policy's own samples" in stderr, stderr[-3000:]
+    # GRPO at T=0.7 on an existing server whose logprobs mode is not stated, then stated wrongly
+    grpo_on_a_server = ["fit", "--config", GRPO_CONFIG, "--model.init_args.model", TINY_MODEL, "--model.init_args.random_init",
+                        "true", "--data.init_args.env.init_args.path", data, "--data.init_args.temperature", "0.7",
+                        "--inference.base_url", "http://127.0.0.1:9/v1", "--inference.server", "{}",
+                        "--trainer.default_root_dir", str(tmp_path / "c"), "--trainer.max_steps", "2"]
+    code, _, stderr = lit_rl_main(grpo_on_a_server)
+    assert code == 1, stderr[-3000:]
+    for words in ("data.temperature 0.7, top_p 1.0, top_k None sample from a processed distribution",
+                  "start it so and set inference.logprobs_mode processed_logprobs", "1 problem(s)"):
+        assert words in stderr, (words, stderr[-3000:])
+    code, _, stderr = lit_rl_main(grpo_on_a_server + ["--inference.logprobs_mode", "processed"])
+    assert code == 1 and "inference.logprobs_mode must be raw_logprobs or processed_logprobs" in stderr, stderr[-3000:]
     assert not list(tmp_path.glob("*/vllm*.log"))  # refused before any server started

@@ -51,6 +51,7 @@ from lit_rl.rollouts.context import TrainSampling
 from lit_rl.rollouts.envs import Environment
 from lit_rl.rollouts.filters import GibberishFilter, RepetitionFilter
 from lit_rl.rollouts.threaded import Interrupted, ThreadedRolloutBuffer
+from lit_rl.sampling_process import RAW, SamplingProcess
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +209,13 @@ class RolloutDataModule(L.LightningDataModule):
         if self.source == "policy" and kind == "cross_entropy":
             problems.append("SFT may not train on the policy's own samples (data.source 'policy'): sample from a "
                             "teacher (data.source 'teacher') or train on a dataset (StaticDataModule)")
+        if self.source == "policy" and not self.sampling_process.is_identity and self.runtime.base_url and (
+                self.runtime.logprobs_mode != "processed_logprobs"):
+            problems.append(f"data.temperature {self.temperature}, top_p {self.top_p}, top_k {self.top_k} sample from "
+                            "a processed distribution, and an existing policy server (inference.base_url) reports "
+                            "raw T=1 logprobs unless started with --logprobs-mode processed_logprobs (vLLM does not "
+                            "say which): start it so and set inference.logprobs_mode processed_logprobs, or sample "
+                            "at temperature 1 without top_p/top_k")
         if self.source == "teacher":
             if not self.runtime.has_teacher:
                 problems.append("data.source 'teacher' needs a model to sample from: set inference.teacher_model "
@@ -229,6 +237,15 @@ class RolloutDataModule(L.LightningDataModule):
         """Whether the policy's samples come scored by a teacher (`teacher_logprobs`: what OPD
         trains on); the run's `InferenceRuntime` serves the teacher. Known after `setup`."""
         return self.source == "policy" and self.runtime is not None and self.runtime.has_teacher
+
+    @property
+    def sampling_process(self) -> SamplingProcess:
+        """The distribution the policy's samples are drawn from (temperature, top-k, top-p): the RL
+        losses compute the trainer's logprobs of it, as the servers lit-rl starts report the
+        sampler's (`processed_logprobs`). Temperature 0 is greedy: vLLM then reports the raw ones."""
+        if self.temperature == 0:
+            return RAW
+        return SamplingProcess(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
     def _num_batches(self) -> int | None:
         steps = self.trainer.max_steps if self.trainer is not None else -1

@@ -65,6 +65,7 @@ class InferenceRuntime(L.Callback):
         teacher_api_key: str | None = None,
         teacher_server: dict | None = None,
         sync_timeout: float = 300.0,
+        logprobs_mode: str | None = None,
     ):
         """
         Args:
@@ -82,10 +83,15 @@ class InferenceRuntime(L.Callback):
             teacher_api_key: that server's API key.
             teacher_server: options of the teacher's managed server (as `server`).
             sync_timeout: seconds one reload of the policy's server may take before the run fails.
+            logprobs_mode: the ``--logprobs-mode`` the existing `base_url` server was started with,
+                which vLLM does not report: ``processed_logprobs`` lets a run sample at temperature
+                != 1 or with top-k/top-p (the trainer compares the sampled distribution's logprobs,
+                `lit_rl.sampling_process`). The servers lit-rl starts always use it.
         """
         self.base_url, self.api_key, self.server = base_url, api_key, dict(server or {})
         self.teacher_model, self.teacher_base_url = teacher_model, teacher_base_url
         self.teacher_api_key, self.teacher_server = teacher_api_key, dict(teacher_server or {})
+        self.logprobs_mode = logprobs_mode
         problems = self.option_problems()
         if problems:
             raise ValueError("inference: " + "; ".join(problems))
@@ -123,6 +129,9 @@ class InferenceRuntime(L.Callback):
         if self.teacher_base_url and self.teacher_model:
             problems.append("give inference.teacher_base_url (an existing server) or inference.teacher_model (lit-rl "
                             "starts a server for it), not both")
+        if self.logprobs_mode not in (None, "raw_logprobs", "processed_logprobs"):
+            problems.append(f"inference.logprobs_mode must be raw_logprobs or processed_logprobs (the existing "
+                            f"server's --logprobs-mode), got {self.logprobs_mode!r}")
         if self.teacher_server and not self.teacher_model:
             problems.append("inference.teacher_server options need inference.teacher_model (the model to start a "
                             "server for)")

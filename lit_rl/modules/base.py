@@ -27,6 +27,7 @@ import logging
 
 import lightning as L
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from lit_rl.errors import ConfigError
@@ -35,6 +36,7 @@ from lit_rl.losses import masked_cross_entropy_sum, shifted_token_logprobs, toke
 from lit_rl.modules.model_loading import load_causal_lm
 from lit_rl.modules.step import TrainingStep, trained_tokens
 from lit_rl.optim import build_lr_scheduler, trainer_total_steps
+from lit_rl.sampling_process import RAW, SamplingProcess
 from lit_rl.sharding import FSDP2Options, apply_fsdp2, body, is_sharded
 
 log = logging.getLogger(__name__)
@@ -214,22 +216,34 @@ class CausalLMModule(TrainingStep, L.LightningModule):
         hidden, targets, weight, bias = self._trained_positions(micro_batch)
         return selected_cross_entropy_sum(hidden, weight, targets, bias=bias, chunk_size=self.head_chunk_size)
 
+    @property
+    def sampling_process(self) -> SamplingProcess:
+        """What the sampler did to the policy's logits (the rollout data module's temperature, top-k
+        and top-p; `lit_rl.sampling_process`): the RL losses compare the sampler's logprobs with the
+        trainer's of that same distribution. The model's own without a rollout data module."""
+        data = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        return getattr(data, "sampling_process", RAW)
+
     def target_logprobs(
-        self, micro_batch: dict[str, torch.Tensor], *, with_entropy: bool = False, model=None
+        self, micro_batch: dict[str, torch.Tensor], *, with_entropy: bool = False, model=None,
+        process: SamplingProcess = RAW,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probability [B, T] of each trained token given the ones before it (0 where
         loss_mask is False, aligned with `input_ids` like inference logprobs), and optionally
-        the entropy [B, T] of the distribution it was predicted from. float32, differentiable."""
+        the entropy [B, T] of the distribution it was predicted from (after `process`: the
+        temperature, top-k and top-p the token was sampled with). float32, differentiable."""
         mask = micro_batch["loss_mask"].clone()  # [B, T]
         mask[:, 0] = False  # a row's first token is predicted from nothing
         if not self._uses_plain_head(micro_batch, model):
             logits = self.logits(micro_batch, model)  # [B, T, V]
+            if not process.is_identity:  # position t predicts token t + 1 (the last predicts nothing here)
+                logits = process.apply(logits, F.pad(micro_batch["input_ids"][:, 1:], (0, 1)))  # [B, T, V]
             logprobs = shifted_token_logprobs(logits, micro_batch["input_ids"]) * mask  # [B, T]
             entropy = token_entropy(logits) * mask if with_entropy else None  # [B, T]
             return logprobs, entropy
         hidden, targets, weight, bias = self._trained_positions(micro_batch, model)
         lp, ent = selected_token_logprobs(
-            hidden, weight, targets, bias=bias, chunk_size=self.head_chunk_size, with_entropy=with_entropy
+            hidden, weight, targets, bias=bias, chunk_size=self.head_chunk_size, with_entropy=with_entropy, process=process
         )  # [N], [N]
         scatter = lambda v: torch.zeros(mask.shape, dtype=v.dtype, device=v.device).masked_scatter(mask, v)  # noqa: E731
         return scatter(lp), None if ent is None else scatter(ent)

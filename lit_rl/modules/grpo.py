@@ -102,7 +102,8 @@ class GRPO(CausalLMModule):
                                     use_cache=False).last_hidden_state  # [B, T, H]
             head = ref.get_output_embeddings()
             lp, _ = selected_token_logprobs(hidden[:, :-1][mask[:, 1:]], head.weight, micro_batch["input_ids"][mask],
-                                            bias=head.bias, chunk_size=self.head_chunk_size)  # [N]
+                                            bias=head.bias, chunk_size=self.head_chunk_size,
+                                            process=self.sampling_process)  # [N]: of the sampled distribution, as the policy's
         return torch.zeros(mask.shape, device=lp.device).masked_scatter(mask, lp)  # [B, T]
 
     def loss_normaliser(self, micro_batch: dict[str, torch.Tensor]) -> float:
@@ -112,7 +113,8 @@ class GRPO(CausalLMModule):
     def micro_batch_loss_sum(self, micro_batch: dict[str, torch.Tensor]):
         if "logprobs" not in micro_batch or "advantages" not in micro_batch:
             raise ValueError("GRPO trains on rollouts with sampling logprobs and advantages; use a RolloutDataModule")
-        logprobs, entropy = self.target_logprobs(micro_batch, with_entropy=self.log_entropy)  # [B, T], [B, T]
+        logprobs, entropy = self.target_logprobs(micro_batch, with_entropy=self.log_entropy,
+                                                 process=self.sampling_process)  # [B, T], [B, T]
         mask = micro_batch["loss_mask"]  # [B, T]
         kl = None
         if self.kl_coef > 0:

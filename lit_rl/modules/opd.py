@@ -225,7 +225,8 @@ class OPD(CausalLMModule):
         if self.dense:
             return self._dense_loss_sum(micro_batch)
         micro_batch = self._with_teacher_logprobs(micro_batch)
-        logprobs, entropy = self.target_logprobs(micro_batch, with_entropy=self.log_entropy)  # [B, T], [B, T]
+        logprobs, entropy = self.target_logprobs(micro_batch, with_entropy=self.log_entropy,
+                                                 process=self.sampling_process)  # [B, T], [B, T]
         mask = micro_batch["loss_mask"]  # [B, T]
         loss_sum, sums = opd_loss_sums(
             logprobs, logprobs.detach(), micro_batch["logprobs"], micro_batch["teacher_logprobs"], mask,
