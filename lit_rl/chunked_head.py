@@ -78,6 +78,9 @@ class _SelectedLogprobs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.chunk_size, ctx.process = chunk_size, process
         ctx.mark_non_differentiable(targets)
+        # An output the loss does not use (the entropy, logged only) then reaches backward as None,
+        # not as zeros, and its backward pass over every chunk's [C, V] is skipped.
+        ctx.set_materialize_grads(False)
         return logprobs, entropy
 
     @staticmethod

@@ -111,3 +111,26 @@ def test_bad_shapes_are_named():
         selected_cross_entropy_sum(hidden, weight[:, :-1], targets)
     with pytest.raises(ValueError, match="chunk_size"):
         selected_cross_entropy_sum(hidden, weight, targets, chunk_size=0)
+
+
+def test_an_entropy_that_is_only_logged_costs_no_backward():
+    """The RL losses log the entropy but train on the logprobs: the backward of a loss of the
+    logprobs alone does the same work with and without the entropy computed (counted in the
+    profiler: the entropy's gradient is one more [C, V] addcmul per chunk), and the same gradient."""
+    g = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(12, 8, generator=g), torch.randn(40, 8, generator=g)
+    targets = torch.randint(0, 40, (12,), generator=g)
+
+    def backward_ops(with_entropy: bool):
+        h = hidden.clone().requires_grad_()
+        lp, ent = selected_token_logprobs(h, weight, targets, chunk_size=4, with_entropy=with_entropy)
+        with torch.profiler.profile() as prof:
+            lp.sum().backward()
+        calls = sum(e.count for e in prof.key_averages() if e.key == "aten::addcmul_")
+        return calls, h.grad, ent
+
+    plain_calls, plain_grad, _ = backward_ops(False)
+    logged_calls, logged_grad, entropy = backward_ops(True)
+    assert entropy is not None and plain_calls == 3  # one per chunk of 4 positions
+    assert logged_calls == plain_calls
+    torch.testing.assert_close(logged_grad, plain_grad)

@@ -114,10 +114,13 @@ def test_every_source_problem_is_reported_at_once_before_any_server(data, tmp_pa
                         "true", "--data.init_args.env.init_args.path", data, "--data.init_args.temperature", "0.7",
                         "--inference.base_url", "http://127.0.0.1:9/v1", "--inference.server", "{}",
                         "--trainer.default_root_dir", str(tmp_path / "c"), "--trainer.max_steps", "2"]
-    code, _, stderr = lit_rl_main(grpo_on_a_server)
+    code, _, stderr = lit_rl_main(grpo_on_a_server + ["--model.init_args.loss_type", "dr_grpo",
+                                                      "--model.init_args.max_completion_length", "8",
+                                                      "--data.init_args.max_tokens", "16"])
     assert code == 1, stderr[-3000:]
     for words in ("data.temperature 0.7, top_p 1.0, top_k None sample from a processed distribution",
-                  "start it so and set inference.logprobs_mode processed_logprobs", "1 problem(s)"):
+                  "start it so and set inference.logprobs_mode processed_logprobs",
+                  "model.init_args.max_completion_length (8) is below data.max_tokens (16)", "2 problem(s)"):
         assert words in stderr, (words, stderr[-3000:])
     code, _, stderr = lit_rl_main(grpo_on_a_server + ["--inference.logprobs_mode", "processed"])
     assert code == 1 and "inference.logprobs_mode must be raw_logprobs or processed_logprobs" in stderr, stderr[-3000:]

@@ -209,6 +209,10 @@ class RolloutDataModule(L.LightningDataModule):
         if self.source == "policy" and kind == "cross_entropy":
             problems.append("SFT may not train on the policy's own samples (data.source 'policy'): sample from a "
                             "teacher (data.source 'teacher') or train on a dataset (StaticDataModule)")
+        limit = getattr(self.trainer.lightning_module, "max_completion_length", None)
+        if getattr(self.trainer.lightning_module, "loss_type", None) == "dr_grpo" and limit and limit < self.max_tokens:
+            problems.append(f"model.init_args.max_completion_length ({limit}) is below data.max_tokens ({self.max_tokens}): "
+                            "dr_grpo divides every sequence's loss by it, so it must be at least the longest completion")
         if self.source == "policy" and not self.sampling_process.is_identity and self.runtime.base_url and (
                 self.runtime.logprobs_mode != "processed_logprobs"):
             problems.append(f"data.temperature {self.temperature}, top_p {self.top_p}, top_k {self.top_k} sample from "
