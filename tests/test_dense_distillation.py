@@ -164,11 +164,12 @@ def test_the_teacher_in_process_sharded_with_the_student_gives_the_one_process_u
     options = SAMPLED_STEP_MEAN if divergence == "sampled_reverse_kl" else {}
     want, want_loss = reference_update(student, teacher, rollout_samples(student, n=8), divergence, 0.5, **options)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, str(REPO / "tests" / "fsdp_opd_step.py"), teacher_dir, divergence,
+    options = json.dumps({"divergence": divergence, "teacher_model": teacher_dir})
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "fsdp_rl_step.py"), "OPD", options,
                           str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
-    assert metrics["teacher_sharded"], metrics
+    assert metrics["frozen_sharded"], metrics
     assert metrics["train/loss"] == pytest.approx(want_loss, abs=1e-5)
     got = load_file(tmp_path / "out" / "model.safetensors")
     for name, a in want.named_parameters():

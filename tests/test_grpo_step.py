@@ -143,17 +143,18 @@ def test_bad_options_are_reported_together():
 
 
 class RankShare(L.LightningDataModule):
-    """Each rank gets its half of the step's samples, as RolloutDataModule hands them out."""
+    """Each rank gets its half of the step's samples, as RolloutDataModule hands them out (the same
+    samples for `steps` steps)."""
 
-    def __init__(self, samples, **layout):
+    def __init__(self, samples, steps: int = 1, **layout):
         super().__init__()
-        self.samples, self.layout = samples, layout
+        self.samples, self.steps, self.layout = samples, steps, layout
 
     def train_dataloader(self):
         rank, world = self.trainer.global_rank, self.trainer.world_size
         share = len(self.samples) // world
         step = build_step(self.samples[rank * share:(rank + 1) * share], **self.layout)
-        return torch.utils.data.DataLoader([step], batch_size=None, collate_fn=lambda x: x)
+        return torch.utils.data.DataLoader([step] * self.steps, batch_size=None, collate_fn=lambda x: x)
 
 
 @pytest.mark.slow
@@ -170,3 +171,39 @@ def test_two_ranks_give_the_update_of_policy_loss_over_the_whole_step(model, los
     trainer.fit(module, datamodule=RankShare(samples, micro_batch_tokens=48, packing="packed"))
     for (name, a), b in zip(want.named_parameters(), module.model.parameters()):
         torch.testing.assert_close(b, a, atol=2e-6, rtol=0, msg=lambda m: f"{loss_type} {name}: {m}")
+
+
+@pytest.mark.slow
+def test_the_kl_to_the_initial_policy_under_fsdp2_gives_the_one_process_update(model, tmp_path):
+    """GRPO with kl_coef and no reference_model under FSDP2 (2 CPU processes): the reference is a
+    copy of the initial policy taken before sharding, sharded like it; two steps on the same
+    samples (the second one's KL is not 0) give the weights of the same two steps in one process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from helpers import REPO
+
+    options = {"kl_coef": 0.5, "loss_type": "dapo"}
+    lr = 0.05  # a first step that moves the policy a little: the second step's KL is 0.4 nats, not 50
+    module = GRPO(model=TINY_MODEL, optimizer=lambda p: torch.optim.SGD(p, lr=lr), max_grad_norm=None, head_chunk_size=7,
+                  **options)
+    module.model = copy.deepcopy(model)
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=RankShare(rollout_samples(model, n=8), steps=2, micro_batch_tokens=48, packing="packed"))
+    assert trainer.callback_metrics["train/kl_to_reference"].item() > 0.1  # the second step's KL is live
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "fsdp_rl_step.py"), "GRPO", json.dumps({**options, "lr": lr}),
+                          str(tmp_path / "out"), "2"], cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["frozen_sharded"], metrics
+    assert metrics["train/kl_to_reference"] == pytest.approx(trainer.callback_metrics["train/kl_to_reference"].item(),
+                                                             rel=1e-5)
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    for name, a in module.model.named_parameters():
+        torch.testing.assert_close(got[name], a.detach(), atol=2e-6, rtol=0, msg=name)

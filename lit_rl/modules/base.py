@@ -125,6 +125,7 @@ class CausalLMModule(TrainingStep, L.LightningModule):
             )
             if self.gradient_checkpointing:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.before_sharding()
         if self._fsdp2_strategy() and not is_sharded(self.model):
             if self.torch_compile:
                 raise ValueError("model.torch_compile is not supported with ModelParallelStrategy (FSDP2) yet; set it to false")
@@ -134,6 +135,10 @@ class CausalLMModule(TrainingStep, L.LightningModule):
             # In place: parameter names, exports and checkpoints unchanged.
             self.model.base_model.compile(dynamic=True)
             self._compiled = True
+
+    def before_sharding(self) -> None:
+        """Called by `configure_model` with the whole model, before FSDP2 shards it (and before a
+        checkpoint is restored): where a subclass copies the initial policy. Default: nothing."""
 
     def _fsdp2_strategy(self) -> bool:
         """Whether the trainer's strategy expects the module to shard itself (FSDP2)."""

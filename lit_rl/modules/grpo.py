@@ -26,10 +26,10 @@ import copy
 
 import torch
 
-from lit_rl.chunked_head import selected_token_logprobs
 from lit_rl.losses import POLICY_METRICS, check_policy_loss_options, policy_loss_normaliser, policy_loss_sums
 from lit_rl.modules.base import CausalLMModule
 from lit_rl.modules.model_loading import load_causal_lm
+from lit_rl.sharding import apply_fsdp2, is_sharded
 
 
 class GRPO(CausalLMModule):
@@ -80,31 +80,33 @@ class GRPO(CausalLMModule):
         self.kl_coef, self.reference_model, self.log_entropy = kl_coef, reference_model, log_entropy
         self._reference = None  # frozen; deliberately not a submodule: no optimizer state, no checkpoint bytes
 
+    def before_sharding(self) -> None:
+        """The frozen reference, once: `reference_model`, or a copy of the policy's initial weights,
+        taken here because a copy of an FSDP2-sharded model is not a model of its own."""
+        if self.kl_coef <= 0 or self._reference is not None:
+            return
+        if self.reference_model:
+            ref = load_causal_lm(self.reference_model, dtype=self.dtype_name, trust_remote_code=self.trust_remote_code,
+                                 attn_implementation=self.attn_implementation)
+        else:
+            ref = copy.deepcopy(self.model)  # before Lightning restores a checkpoint: the initial policy
+        # object.__setattr__: nn.Module would register it as a submodule (trained, checkpointed, synced)
+        object.__setattr__(self, "_reference", ref.eval().requires_grad_(False))
+
     def configure_model(self) -> None:
-        fresh = self.model is None
         super().configure_model()
-        if self.kl_coef > 0 and self._reference is None and (fresh or self.reference_model):
-            if self.reference_model:
-                ref = load_causal_lm(self.reference_model, dtype=self.dtype_name, trust_remote_code=self.trust_remote_code,
-                                     attn_implementation=self.attn_implementation)
-            else:
-                ref = copy.deepcopy(self.model)  # before Lightning restores a checkpoint: the initial policy
-            # object.__setattr__: nn.Module would register it as a submodule (trained, checkpointed, synced)
-            object.__setattr__(self, "_reference", ref.eval().requires_grad_(False))
+        if self._reference is not None and self._fsdp2_strategy() and not is_sharded(self._reference):
+            apply_fsdp2(self._reference, self.device_mesh, self.sharding)  # sharded like the policy it shadows
+
+    def on_fit_start(self) -> None:
+        if self._reference is not None and not is_sharded(self._reference):
+            self._reference.to(self.device)
 
     def _reference_logprobs(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The reference model's log-probability [B, T] of each trained token (0 elsewhere)."""
-        ref = self._reference.to(self.device)
-        mask = micro_batch["loss_mask"].clone()
-        mask[:, 0] = False
+        """The reference model's log-probability [B, T] of each trained token (0 elsewhere), of the
+        distribution the policy sampled from (the same temperature, top-k and top-p)."""
         with torch.no_grad():
-            hidden = ref.base_model(input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"],
-                                    use_cache=False).last_hidden_state  # [B, T, H]
-            head = ref.get_output_embeddings()
-            lp, _ = selected_token_logprobs(hidden[:, :-1][mask[:, 1:]], head.weight, micro_batch["input_ids"][mask],
-                                            bias=head.bias, chunk_size=self.head_chunk_size,
-                                            process=self.sampling_process)  # [N]: of the sampled distribution, as the policy's
-        return torch.zeros(mask.shape, device=lp.device).masked_scatter(mask, lp)  # [B, T]
+            return self.target_logprobs(micro_batch, model=self._reference, process=self.sampling_process)[0]
 
     def loss_normaliser(self, micro_batch: dict[str, torch.Tensor]) -> float:
         return policy_loss_normaliser(micro_batch["loss_mask"], micro_batch["sequence_ids"], loss_type=self.loss_type,
