@@ -38,11 +38,12 @@ def replay_samples(n=4, seed=1):
 def reference_update(model, rollouts, rows, loss_type):
     """Parameters after one SGD step (lr 1) on policy_loss over the rollouts as [B, T] plus the
     mean cross-entropy over the replay rows' trained tokens (`opd_loss` for loss_type "opd", with
-    OPD's default baseline: the mean advantage of the rollouts' tokens, never the replay rows')."""
+    OPD's defaults: advantages clipped at 1 and centred on the mean of the rollouts' tokens, never
+    the replay rows')."""
     model = copy.deepcopy(model)
     lp, inf, teacher, mask, adv = as_batch(model, rollouts)  # [B, T] x 4, [B]
     if loss_type == "opd":
-        pg, _ = opd_loss(lp, lp.detach(), inf, teacher, mask, advantage_baseline="step_mean")
+        pg, _ = opd_loss(lp, lp.detach(), inf, teacher, mask, advantage_baseline="step_mean", advantage_clip=1.0)
     else:
         pg, _ = policy_loss(lp, lp.detach(), inf, adv, mask, loss_type=loss_type, max_completion_length=16)
     ce_sum, ce_tokens = torch.zeros(()), 0
