@@ -32,7 +32,8 @@ samples one completion per task (64 tasks a step instead of 16 x 4, as TRL's bat
 sets `max_staleness` 0 (every sample from the current weights, as TRL's are); since 2026-12-04
 opd.yaml has both, and `group4` / `stale1` give its earlier batch (16 x 4, one step of staleness)
 that the tables before that date ran with. For `opd_sampled`: `rawadv` trains the raw advantage
-(no baseline, as before 2026-12-04), `clip1` clips each token's advantage to [-1, 1], `warmup10`
+(no baseline, as before 2026-12-04), `clip1` clips each token's advantage to [-1, 1] (the
+default since 2026-12-04), `noclip` does not, `warmup10`
 warms the lr up linearly over 10 steps (transformers' constant_with_warmup). Any method, `trl`
 too, may carry `seedN` (`trl+seed1`): the run's seed (default: opd.yaml's `seed_everything`), to
 see how far two runs of one setting differ.
@@ -100,7 +101,7 @@ SERVED_TOPK = {f"opd_topk_{d}": d for d in ("reverse_kl", "forward_kl", "jsd")}
 MODIFIERS = {"group1": ["--data.init_args.group_size", "1"], "fresh": ["--data.init_args.max_staleness", "0"],
              "group4": ["--data.init_args.group_size", "4"], "stale1": ["--data.init_args.max_staleness", "1"],
              "rawadv": ["--model.init_args.advantage_baseline", "none"],
-             "clip1": ["--model.init_args.advantage_clip", "1.0"],
+             "clip1": ["--model.init_args.advantage_clip", "1.0"], "noclip": ["--model.init_args.advantage_clip", "null"],
              "warmup10": ["--model.init_args.lr_scheduler", json.dumps({"class_path": "lit_rl.optim.LRSchedule", "init_args": {
                  "name": "constant_with_warmup", "warmup_steps": 10}})]}
 
