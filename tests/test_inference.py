@@ -137,21 +137,40 @@ def test_reload_changes_outputs_and_restores_them_exactly(vllm_server):
     assert (again.completion_ids, again.logprobs) == (before.completion_ids, before.logprobs)
 
 
-def test_reload_during_generation_keeps_requests_going(vllm_server):
-    """In-flight requests are preempted by the prefix-cache reset and finish with the new weights."""
-    step1 = vllm_server.export(1, seed=1)
+def test_reload_during_generation_keeps_requests_going_and_no_token_mixes_weights_and_kv(vllm_server):
+    """In-flight requests are paused, preempted by the prefix-cache reset and finish with the new
+    weights. Every generated token's logprob is that of the old weights or of the new ones over
+    its whole prefix (HF, full recomputation), old ones first: a token decoded by the new weights
+    on KV the old ones computed would match neither. Two sharp models (logits x 4), so that the
+    three differ by far more than the tolerance."""
+    old = write_tiny_checkpoint(vllm_server.root / "weights" / "step_11", seed=11, logit_scale=4.0)
+    new = write_tiny_checkpoint(vllm_server.root / "weights" / "step_12", seed=12, logit_scale=4.0)
 
     async def go():
         async with vllm_server.client() as client:
-            running = [asyncio.create_task(client.generate(p, max_tokens=900, ignore_eos=True)) for p in PROMPTS]
-            await asyncio.sleep(0.1)
+            await client.reload_weights(old)
+            running = [asyncio.create_task(client.generate(p, max_tokens=300, temperature=0.0, ignore_eos=True))
+                       for p in PROMPTS]
+            await asyncio.sleep(0.3)
             # the reload must land while generation is under way (how many finished first depends on load)
             assert not all(t.done() for t in running), "every request finished before the reload"
-            assert await client.reload_weights(step1) == 1
+            assert await client.reload_weights(new) == 12
             return await asyncio.gather(*running), await client.health()
 
     outs, healthy = run(go())
-    assert healthy and all(len(o[0].completion_ids) == 900 and o[0].finish_reason == "length" for o in outs)
+    assert healthy and all(len(o[0].completion_ids) == 300 and o[0].finish_reason == "length" for o in outs)
+    switched = 0
+    for prompt, (c,) in zip(PROMPTS, outs):
+        ids = prompt + c.completion_ids
+        by_old, by_new = (hf_logprobs(w, ids)[len(prompt):] for w in (old, new))
+        kinds = ["old" if abs(x - a) < LOGPROB_TOL else "new" if abs(x - b) < LOGPROB_TOL else "neither"
+                 for x, a, b in zip(c.logprobs, by_old, by_new)]
+        assert "neither" not in kinds, [(i, x, a, b) for i, (k, x, a, b) in enumerate(zip(kinds, c.logprobs, by_old, by_new))
+                                        if k == "neither"][:5]
+        first_new = kinds.index("new") if "new" in kinds else len(kinds)
+        assert set(kinds[first_new:]) <= {"new"}, kinds  # never back to the old weights
+        switched += 0 < first_new < len(kinds)
+    assert switched, "no request had tokens of both weights: the reload did not land mid-generation"
 
 
 def test_reload_outside_the_run_directory_is_refused(vllm_server, tmp_path):

@@ -141,6 +141,7 @@ class InferenceClient:
         self._root = self.openai.with_options(base_url=self.root_url)  # same pool, for non-/v1 routes
         self._served_root: str | None = None
         self._stock_reload = False
+        self._no_pause = False  # the server has no /pause (an older vLLM)
         self._reload_lock = asyncio.Lock()
 
     # ---- generation -------------------------------------------------------------------------------
@@ -244,20 +245,46 @@ class InferenceClient:
     async def reload_weights(self, step_path: str | Path) -> int:
         """Make the server serve `<allowed_root>/weights/step_N`; returns N, the policy version.
 
-        Requests in flight finish with the new weights (no pause); the prefix cache is reset,
-        preempting running requests so that they recompute their KV with the new weights.
+        Generation is paused for the swap (vLLM's `/pause?mode=keep`: requests in flight are
+        frozen, not aborted), the weights are reloaded and the prefix cache is reset, preempting
+        running requests so that they recompute their KV, then generation resumes: every token
+        after the swap is computed by the new weights on KV of the new weights. Without the pause,
+        the decode steps between the reload and the reset (two HTTP calls apart) would run the new
+        weights on the old KV.
         """
         path, step = resolve_reload_path(step_path, self.allowed_root)
         async with self._reload_lock:
-            with lease(path, f"reload-{os.getpid()}-{id(self)}"):
-                await self._reload(path)
-            cache = await self._call("reset_prefix_cache", self._root.post(
-                "/reset_prefix_cache", cast_to=object, options={"params": {"reset_running_requests": "true"}}))
-            if not (isinstance(cache, dict) and cache.get("success")):
-                raise InferenceServerError(f"reload_weights: weights reloaded but the prefix cache was not reset: {cache!r}")
+            paused = await self._pause_generation()
+            try:
+                with lease(path, f"reload-{os.getpid()}-{id(self)}"):
+                    await self._reload(path)
+                cache = await self._call("reset_prefix_cache", self._root.post(
+                    "/reset_prefix_cache", cast_to=object, options={"params": {"reset_running_requests": "true"}}))
+                if not (isinstance(cache, dict) and cache.get("success")):
+                    raise InferenceServerError(f"reload_weights: weights reloaded but the prefix cache was not reset: {cache!r}")
+            finally:
+                if paused:
+                    await self._call("resume", self._root.post("/resume", cast_to=object))
             await self._call("update_weight_version", self._root.post(
                 "/update_weight_version", cast_to=object, body={"new_version": str(step)}))
         return step
+
+    async def _pause_generation(self) -> bool:
+        """Freeze generation for a weight swap; False on a vLLM without `/pause` (older than the
+        one lit-rl pins), which then swaps under running generation as before, with a warning."""
+        if self._no_pause:
+            return False
+        try:
+            await self._call("pause", self._root.post("/pause", cast_to=object,
+                                                      options={"params": {"mode": "keep", "clear_cache": "false"}}))
+            return True
+        except InferenceRequestError as e:
+            if "(404)" not in str(e):
+                raise
+            self._no_pause = True
+            log.warning("InferenceClient: %s has no /pause; weights are swapped under running generation, so a few "
+                        "tokens after each reload may use the new weights on the old KV cache", self.root_url)
+            return False
 
     async def _reload(self, path: Path) -> None:
         """lit-rl's worker extension when the server has it (see worker_extension.WorkerExtension), else stock."""
