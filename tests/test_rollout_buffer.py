@@ -504,39 +504,39 @@ def test_a_killed_server_reaches_the_request_the_buffer_and_the_teacher_in_bound
             except TimeoutError:
                 return
 
-    with server, ThreadedRolloutBuffer(sampling) as sampler, ThreadedRolloutBuffer(distilling) as distiller:
-        pgid = server.proc.pid
-        # the teacher's buffer first: its first batch is slow with the other buffer's rollouts running
-        assert distiller.next_batch(timeout=120).index == 0
-        assert sampler.next_batch(timeout=120).index == 0
+    async def refused_reload():
+        async with server.client(max_retries=1) as client:
+            with pytest.raises(InferenceServerError, match="no lit_rl_reload_weights .*--worker-extension-cls "
+                                                           "lit_rl.inference.worker_extension.WorkerExtension"):
+                await client.reload_weights(write_tiny_checkpoint(tmp_path / "weights" / "step_1", seed=1))
 
-        async def refused_reload():
-            async with server.client(max_retries=1) as client:
-                with pytest.raises(InferenceServerError, match="no lit_rl_reload_weights .*--worker-extension-cls "
-                                                               "lit_rl.inference.worker_extension.WorkerExtension"):
-                    await client.reload_weights(write_tiny_checkpoint(tmp_path / "weights" / "step_1", seed=1))
+    with server:
+        asyncio.run(refused_reload())  # before the buffers start: the crash checks below run as they always did
+        with ThreadedRolloutBuffer(sampling) as sampler, ThreadedRolloutBuffer(distilling) as distiller:
+            pgid = server.proc.pid
+            # the teacher's buffer first: its first batch is slow with the other buffer's rollouts running
+            assert distiller.next_batch(timeout=120).index == 0
+            assert sampler.next_batch(timeout=120).index == 0
 
-        asyncio.run(refused_reload())
+            async def crash_mid_request():
+                async with server.client(max_retries=2) as client:
+                    await asyncio.to_thread(drain, sampler)  # first: draining can take longer than the request
+                    await asyncio.to_thread(drain, distiller)
+                    request = asyncio.create_task(client.generate([1, 2, 3], max_tokens=1000, ignore_eos=True))
+                    await asyncio.sleep(0.5)
+                    assert not request.done()
+                    os.killpg(pgid, signal.SIGKILL)  # a crash: no graceful shutdown
+                    killed_at = time.monotonic()
+                    with pytest.raises(InferenceServerError, match="unreachable") as err:
+                        await asyncio.wait_for(request, timeout=60)
+                    took = time.monotonic() - killed_at
+                    with pytest.raises(InferenceServerError, match="exited with code"):
+                        await client.score([1, 2, 3])
+                    return killed_at, took, str(err.value)
 
-        async def crash_mid_request():
-            async with server.client(max_retries=2) as client:
-                await asyncio.to_thread(drain, sampler)  # first: draining can take longer than the request
-                await asyncio.to_thread(drain, distiller)
-                request = asyncio.create_task(client.generate([1, 2, 3], max_tokens=1000, ignore_eos=True))
-                await asyncio.sleep(0.5)
-                assert not request.done()
-                os.killpg(pgid, signal.SIGKILL)  # a crash: no graceful shutdown
-                killed_at = time.monotonic()
-                with pytest.raises(InferenceServerError, match="unreachable") as err:
-                    await asyncio.wait_for(request, timeout=60)
-                took = time.monotonic() - killed_at
-                with pytest.raises(InferenceServerError, match="exited with code"):
-                    await client.score([1, 2, 3])
-                return killed_at, took, str(err.value)
-
-        killed_at, took, message = asyncio.run(crash_mid_request())
-        sampling_took, sampling_error = error_since(killed_at, sampler, "the inference server failed")
-        teacher_took, teacher_error = error_since(killed_at, distiller, "the teacher server failed")
+            killed_at, took, message = asyncio.run(crash_mid_request())
+            sampling_took, sampling_error = error_since(killed_at, sampler, "the inference server failed")
+            teacher_took, teacher_error = error_since(killed_at, distiller, "the teacher server failed")
     for who, seconds, text in [("request", took, message), ("rollouts", sampling_took, sampling_error),
                                ("teacher", teacher_took, teacher_error)]:
         print(f"{who}: error {seconds:.1f} s after the kill: {text[:300]}")
