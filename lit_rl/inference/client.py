@@ -22,6 +22,7 @@ are sent; the path is resolved (symlinks followed) before the check.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -93,8 +94,6 @@ def resolve_reload_path(path: str | Path, allowed_root: str | Path | None) -> tu
 def ties_output_head(weights: Path) -> bool:
     """Whether the checkpoint's output head shares the embeddings' weight (`tie_word_embeddings`;
     assumed when its config cannot be read: the safe answer for the reload check)."""
-    import json
-
     try:
         config = json.loads((Path(weights) / "config.json").read_text())
     except (OSError, ValueError):

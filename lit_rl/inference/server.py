@@ -252,8 +252,8 @@ class VLLMServer:
             cmd.append("--enforce-eager")
         if self.dev_mode:
             cmd += ["--worker-extension-cls", "lit_rl.inference.worker_extension.WorkerExtension"]
-        # logprobs of the distribution each token was drawn from, as the trainer's (lit_rl.sampling_process)
-        return cmd + ["--logprobs-mode", "processed_logprobs"] + self.extra_args  # api key goes through the environment, not the process list
+        cmd += ["--logprobs-mode", "processed_logprobs"]  # of the distribution sampled, as the trainer's
+        return cmd + self.extra_args  # api key goes through the environment, not the process list
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)

@@ -130,6 +130,9 @@ class CausalLMModule(TrainingStep, L.LightningModule):
             if self.torch_compile:
                 raise ValueError("model.torch_compile is not supported with ModelParallelStrategy (FSDP2) yet; set it to false")
             apply_fsdp2(self.model, self.device_mesh, self.sharding)
+        for frozen in self.frozen_models():  # sharded like the policy they run beside
+            if self._fsdp2_strategy() and not is_sharded(frozen):
+                apply_fsdp2(frozen, self.device_mesh, self.sharding)
         if self.torch_compile and not self._compiled:
             # The body, which training calls directly (the head runs outside, on trained positions).
             # In place: parameter names, exports and checkpoints unchanged.
@@ -138,7 +141,19 @@ class CausalLMModule(TrainingStep, L.LightningModule):
 
     def before_sharding(self) -> None:
         """Called by `configure_model` with the whole model, before FSDP2 shards it (and before a
-        checkpoint is restored): where a subclass copies the initial policy. Default: nothing."""
+        checkpoint is restored): where a subclass loads a frozen model beside it (OPD's teacher)
+        or copies the initial policy (GRPO's reference). Default: nothing."""
+
+    def frozen_models(self) -> list[torch.nn.Module]:
+        """Models that run beside the policy without training (kept outside the module tree: no
+        optimizer state, no checkpoint bytes). `configure_model` shards them as it shards the
+        policy under FSDP2; `on_fit_start` moves the others to the device. Default: none."""
+        return []
+
+    def on_fit_start(self) -> None:
+        for frozen in self.frozen_models():
+            if not is_sharded(frozen):
+                frozen.to(self.device)
 
     def _fsdp2_strategy(self) -> bool:
         """Whether the trainer's strategy expects the module to shard itself (FSDP2)."""

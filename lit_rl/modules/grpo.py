@@ -29,7 +29,6 @@ import torch
 from lit_rl.losses import POLICY_METRICS, check_policy_loss_options, policy_loss_normaliser, policy_loss_sums
 from lit_rl.modules.base import CausalLMModule
 from lit_rl.modules.model_loading import load_causal_lm
-from lit_rl.sharding import apply_fsdp2, is_sharded
 
 
 class GRPO(CausalLMModule):
@@ -93,14 +92,8 @@ class GRPO(CausalLMModule):
         # object.__setattr__: nn.Module would register it as a submodule (trained, checkpointed, synced)
         object.__setattr__(self, "_reference", ref.eval().requires_grad_(False))
 
-    def configure_model(self) -> None:
-        super().configure_model()
-        if self._reference is not None and self._fsdp2_strategy() and not is_sharded(self._reference):
-            apply_fsdp2(self._reference, self.device_mesh, self.sharding)  # sharded like the policy it shadows
-
-    def on_fit_start(self) -> None:
-        if self._reference is not None and not is_sharded(self._reference):
-            self._reference.to(self.device)
+    def frozen_models(self) -> list[torch.nn.Module]:
+        return [] if self._reference is None else [self._reference]
 
     def _reference_logprobs(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The reference model's log-probability [B, T] of each trained token (0 elsewhere), of the

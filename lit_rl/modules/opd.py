@@ -44,7 +44,6 @@ from lit_rl.losses import (OPD_METRICS, check_advantage_options, check_behaviour
                            distillation_advantage, divergence_beta, opd_loss_sums, token_divergence, topk_bins)
 from lit_rl.modules.base import CausalLMModule
 from lit_rl.modules.model_loading import load_causal_lm
-from lit_rl.sharding import apply_fsdp2, is_sharded
 
 
 IN_PROCESS_TEACHER_LOGPROBS = "in_process_teacher_logprobs"  # where a micro-batch keeps them within a step
@@ -131,8 +130,7 @@ class OPD(CausalLMModule):
         return self.teacher_top_k if self.dense and self.teacher_model is None else 0
 
     # ---- the teacher ---------------------------------------------------------------------------
-    def configure_model(self) -> None:
-        super().configure_model()
+    def before_sharding(self) -> None:
         if self.teacher_model is None or self.teacher is not None:
             return
         teacher = load_causal_lm(self.teacher_model, dtype=self.dtype_name, trust_remote_code=self.trust_remote_code,
@@ -142,13 +140,10 @@ class OPD(CausalLMModule):
         if rows != ours:
             raise ConfigError(f"OPD: model.teacher_model {self.teacher_model} has an output head of {rows} tokens, "
                               f"the student {ours}: a teacher must share the student's vocabulary")
-        if self._fsdp2_strategy():
-            apply_fsdp2(teacher, self.device_mesh, self.sharding)
         object.__setattr__(self, "teacher", teacher)
 
-    def on_fit_start(self) -> None:
-        if self.teacher is not None and not is_sharded(self.teacher):
-            self.teacher.to(self.device)
+    def frozen_models(self) -> list[torch.nn.Module]:
+        return [] if self.teacher is None else [self.teacher]
 
     def setup(self, stage: str) -> None:
         if stage != "fit":
