@@ -150,7 +150,7 @@ def test_reload_during_generation_keeps_requests_going_and_no_token_mixes_weight
     async def go():
         async with vllm_server.client() as client:
             await client.reload_weights(old)
-            running = [asyncio.create_task(client.generate(p, max_tokens=300, temperature=0.0, ignore_eos=True))
+            running = [asyncio.create_task(client.generate(p, max_tokens=900, temperature=0.0, ignore_eos=True))
                        for p in PROMPTS]
             await asyncio.sleep(0.3)
             # the reload must land while generation is under way (how many finished first depends on load)
@@ -159,7 +159,7 @@ def test_reload_during_generation_keeps_requests_going_and_no_token_mixes_weight
             return await asyncio.gather(*running), await client.health()
 
     outs, healthy = run(go())
-    assert healthy and all(len(o[0].completion_ids) == 300 and o[0].finish_reason == "length" for o in outs)
+    assert healthy and all(len(o[0].completion_ids) == 900 and o[0].finish_reason == "length" for o in outs)
     switched = 0
     for prompt, (c,) in zip(PROMPTS, outs):
         ids = prompt + c.completion_ids
@@ -313,12 +313,21 @@ class FakeServer(VLLMServer):
             "import os, signal, subprocess, sys, time\n"
             "signal.signal(signal.SIGTERM, lambda *a: os.killpg(0, signal.SIGKILL))\n"  # like vLLM: children go too
             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+            f"open({str(self.ready_file)!r}, 'w').close()\n"
             "time.sleep(600)\n"
         )
         return [sys.executable, "-c", script]
 
+    @property
+    def ready_file(self) -> Path:
+        return Path(self.log_path).with_suffix(".ready")
+
     def wait_healthy(self, interrupt=None):
-        time.sleep(0.5)
+        """Healthy once the child is started (a fixed sleep lost that race on a loaded machine)."""
+        deadline = time.monotonic() + 60
+        while not self.ready_file.exists():
+            assert self.proc.poll() is None and time.monotonic() < deadline, "the fake server did not start"
+            time.sleep(0.05)
 
 
 def group_members(pgid: int) -> list[str]:

@@ -492,6 +492,12 @@ def test_a_killed_server_reaches_the_request_the_buffer_and_the_teacher_in_bound
             except TimeoutError:
                 return
 
+    def outcome(request, server):
+        """What a request that finished too early did, and whether its server is still up."""
+        error = request.exception()
+        done = repr(error) if error else [(c.finish_reason, len(c.completion_ids)) for c in request.result()]
+        return f"the request ended before the kill: {done}; server exit code {server.proc.poll()}"
+
     with server, ThreadedRolloutBuffer(sampling) as sampler, ThreadedRolloutBuffer(distilling) as distiller:
         pgid = server.proc.pid
         # the teacher's buffer first: its first batch is slow with the other buffer's rollouts running
@@ -504,7 +510,7 @@ def test_a_killed_server_reaches_the_request_the_buffer_and_the_teacher_in_bound
                 await asyncio.to_thread(drain, distiller)
                 request = asyncio.create_task(client.generate([1, 2, 3], max_tokens=1000, ignore_eos=True))
                 await asyncio.sleep(0.5)
-                assert not request.done()
+                assert not request.done(), outcome(request, server)
                 os.killpg(pgid, signal.SIGKILL)  # a crash: no graceful shutdown
                 killed_at = time.monotonic()
                 with pytest.raises(InferenceServerError, match="unreachable") as err:
