@@ -365,7 +365,7 @@ def test_binding_other_addresses_is_warned_about(tmp_path, caplog):
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "exit"])
 def test_server_dies_with_its_parent(tmp_path, how):
     """SIGKILL: Linux's parent-death signal; SIGTERM: lit-rl's handler; exit: the atexit hook."""
-    code = "import sys, time\nfrom lit_rl.inference.server import VLLMServer\n" + inspect.getsource(FakeServer)
+    code = "import sys, time\nfrom pathlib import Path\nfrom lit_rl.inference.server import VLLMServer\n" + inspect.getsource(FakeServer)
     code += textwrap.dedent(f"""
         s = FakeServer("fake", log_path={str(tmp_path / 'log')!r}, stop_timeout=5).start()
         print(s.proc.pid, flush=True)
