@@ -208,11 +208,12 @@ def policy_loss(
     dr_grpo: sum / (B x max_completion_length); gspo: r is the sequence-level ratio
     exp(mean of the sequence's log-ratios), clipped per sequence, aggregated like grpo.
 
-    `old_logprobs` are the trainer's logprobs before this step's update. lit-rl takes one
-    optimizer step per batch, so they equal `logprobs.detach()`: r is 1 (its gradient is not),
-    clipping never binds, and the off-policy part is carried by w, the correction against the
-    sampler's (inference) logprobs, which is how prime-rl does it too (no extra old-logprob
-    pass). The general form stays for several updates per batch.
+    `old_logprobs` are the trainer's logprobs under the weights of the batch's first update.
+    With one optimizer step per batch (`GRPO(updates_per_batch=1)`, the default) they equal
+    `logprobs.detach()`: r is 1 (its gradient is not) and clipping never binds. With several,
+    r moves away from 1 at the later updates and the clip keeps them in a trust region. The
+    off-policy part (stale or numerically different sampler) is carried by w, the correction
+    against the sampler's (inference) logprobs, as in prime-rl and verl.
 
     Metrics: mismatch_kl (mean over masked tokens of w - log w - 1, uncapped w: 0 when the
     sampler and the trainer agree), clip_fraction (tokens whose clipped term was taken),

@@ -48,35 +48,50 @@ def data(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("grpo_data") / "train.jsonl", reverse_rows(40))
 
 
-@pytest.mark.parametrize("max_staleness", [0, 1])
+@pytest.mark.parametrize("max_staleness, updates_per_batch", [(0, 1), (1, 2)])
 def test_staleness_bound_holds_and_a_resume_continues_versions_and_trains_no_sample_twice(
-        vllm_server, data, tmp_path, max_staleness):
-    """Two steps, then a resume to four (one test: both runs would otherwise be repeated)."""
-    root = tmp_path / "run"
-    common = [*shared(vllm_server), "--data.init_args.max_staleness", str(max_staleness)]
-    first = run(grpo_args(root, data, str(vllm_server.model_dir), 2, *common))
+        vllm_server, data, tmp_path, max_staleness, updates_per_batch):
+    """Four steps in two runs (one test: both runs would otherwise be repeated). One update per
+    batch: two steps, then a resume to four. Two updates per batch (batch k feeds steps 2k and
+    2k + 1): three steps, so the checkpoint falls between the two updates of batch 1, then a
+    resume that trains that held batch's second update."""
+    root, held = tmp_path / "run", updates_per_batch > 1
+    common = [*shared(vllm_server), "--data.init_args.max_staleness", str(max_staleness),
+              "--model.init_args.updates_per_batch", str(updates_per_batch)]
+    first = run(grpo_args(root, data, str(vllm_server.model_dir), 3 if held else 2, *common))
     assert first.returncode == 0, first.stderr[-4000:]
     second = run(grpo_args(root, data, str(vllm_server.model_dir), 4, *common, "--ckpt_path", "last"))
     assert second.returncode == 0, second.stderr[-4000:]
     runs = [[r for r in csv.DictReader(open(path)) if r.get("train/staleness_max")]
             for path in sorted(root.glob("logs/version_*/metrics.csv"))]
-    assert [len(rows) for rows in runs] == [2, 2]
+    assert [len(rows) for rows in runs] == ([3, 1] if held else [2, 2])
     rows = [r for rows in runs for r in rows]
     assert all(float(r["train/staleness_max"]) <= max_staleness for r in rows)
     for r in rows:  # the whole GRPO story is in the log
         for name in ("train/reward", "train/mismatch_kl", "train/entropy", "train/advantage_std", "train/data_wait_s",
-                     "train/compute_s", "rollout/tokens_per_s"):
+                     "train/compute_s", "rollout/tokens_per_s", "train/clip_fraction"):
             assert r.get(name) not in (None, ""), name
     for run_rows in runs:  # synced after every step but a run's last
         syncs = [float(r["train/weight_sync_s"]) for r in run_rows]
-        assert syncs[0] > 0 and syncs[1] == 0.0, syncs
+        assert all(x > 0 for x in syncs[:-1]) and syncs[-1] == 0.0, syncs
     steps = trained(root)
-    assert [s["step"] for s in steps] == [0, 1, 2, 3]  # the resumed run went on at step 2
+    # a batch is traced at the step that draws it: every step, or every other one
+    assert [s["step"] for s in steps] == ([0, 2] if held else [0, 1, 2, 3])
     for s in steps:
         assert all(s["step"] - x["policy_version"] <= max_staleness for x in s["samples"])
     draws = [x["draw"] for s in steps for x in s["samples"]]
     groups = {d: draws.count(d) for d in draws}
     assert all(n == 4 for n in groups.values())  # each drawn task's group trained once, whole
+    if held:  # the resumed step trained the batch of the step before it, with the trust region live
+        before, after = rows[2], rows[3]
+        assert [float(before[k]) for k in ("train/reward", "train/tokens")] == [
+            float(after[k]) for k in ("train/reward", "train/tokens")]
+        assert float(before["train/clip_fraction"]) == 0.0  # a batch's first update: ratio 1
+        # the sampler against the batch's first-update weights: the same old logprobs, kept in the
+        # checkpoint (recomputed under the weights after update 0, they would differ)
+        assert float(after["train/mismatch_kl"]) == pytest.approx(float(before["train/mismatch_kl"]), rel=1e-6)
+        assert float(after["train/entropy"]) != float(before["train/entropy"])  # other weights, same samples
+        return
     assert min(x["policy_version"] for x in steps[3]["samples"]) >= 2  # versions continued, not restarted at 0
     assert max(float(r["rollout/policy_version"]) for r in runs[1]) >= 2
     if max_staleness == 0:  # synchronous: every batch was sampled by exactly the weights it trains,

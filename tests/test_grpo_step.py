@@ -3,11 +3,13 @@ samples as one [B, T] batch, for every loss_type, however the step is split into
 micro-batches or packed (plain SGD, no clipping: a wrong factor would show)."""
 
 import copy
+import json
 
 import lightning as L
 import pytest
 import torch
 
+from lit_rl.data.held_batch import HeldBatch
 from lit_rl.data.samples import Sample
 from lit_rl.data.step_builder import build_step
 from lit_rl.losses import LOSS_TYPES, policy_loss, shifted_token_logprobs
@@ -138,8 +140,8 @@ def test_kl_penalty_off_costs_nothing_and_on_pulls_towards_the_reference(model):
 
 def test_bad_options_are_reported_together():
     with pytest.raises(ValueError) as e:
-        GRPO(model=TINY_MODEL, loss_type="ppo", is_cap=-1, kl_coef=-1)
-    assert all(k in str(e.value) for k in ("loss_type", "is_cap", "kl_coef"))
+        GRPO(model=TINY_MODEL, loss_type="ppo", is_cap=-1, kl_coef=-1, updates_per_batch=0)
+    assert all(k in str(e.value) for k in ("loss_type", "is_cap", "kl_coef", "updates_per_batch must be an int >= 1"))
 
 
 class RankShare(L.LightningDataModule):
@@ -207,3 +209,96 @@ def test_the_kl_to_the_initial_policy_under_fsdp2_gives_the_one_process_update(m
     got = load_file(tmp_path / "out" / "model.safetensors")
     for name, a in module.model.named_parameters():
         torch.testing.assert_close(got[name], a.detach(), atol=2e-6, rtol=0, msg=name)
+
+
+# -- several updates per batch -------------------------------------------------------------------
+
+
+def reference_updates(model, samples, updates: int, lr: float):
+    """The parameters after `updates` SGD steps on policy_loss over one batch, each with the
+    ratio to the logprobs of the weights before the first step; each step's clip_fraction."""
+    model = copy.deepcopy(model)
+    old = as_batch(model, samples)[0].detach()  # [B, T]
+    clip_fractions = []
+    for _ in range(updates):
+        lp, inf, _, mask, adv = as_batch(model, samples)  # [B, T] x 4, [B]
+        loss, metrics = policy_loss(lp, old, inf, adv, mask, loss_type="dapo")
+        model.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+        clip_fractions.append(metrics["clip_fraction"])
+    return model, clip_fractions
+
+
+class HeldUpdates(L.LightningDataModule):
+    """A batch for `updates` optimizer steps, held as RolloutDataModule holds it (`HeldBatch`:
+    one step of micro-batches, each with its old-logprob slot) from update `start` on."""
+
+    def __init__(self, held: HeldBatch, updates: int, start: int = 0, **layout):
+        super().__init__()
+        self.held, self.updates, self.start, self.layout = held, updates, start, layout
+
+    def train_dataloader(self):
+        step = self.held.step or self.held.hold(build_step(self.held.payload["samples"], **self.layout), 0, 1)
+        return torch.utils.data.DataLoader([{**step, "update": u} for u in range(self.start, self.updates)],
+                                           batch_size=None, collate_fn=lambda x: x)
+
+
+def held_batch(samples):
+    return HeldBatch(0, {"samples": samples, "staleness": [0] * len(samples), "replay": {}, "metrics": {}})
+
+
+def grpo_updates(model, datamodule, lr, clip_fractions=None):
+    """`GRPO(updates_per_batch=3)` trained on the datamodule's updates (from its `start`, as a
+    run resumed after that many optimizer steps)."""
+    module = GRPO(model=TINY_MODEL, optimizer=lambda p: torch.optim.SGD(p, lr=lr), max_grad_norm=None,
+                  head_chunk_size=7, updates_per_batch=3)
+    module.model = model
+    if clip_fractions is not None:  # each step's, as logged
+        module.on_train_batch_end = lambda *a: clip_fractions.append(module.trainer.callback_metrics["train/clip_fraction"].item())
+    trainer = L.Trainer(max_steps=datamodule.updates, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress.total.completed = datamodule.start
+    trainer.fit(module, datamodule=datamodule)
+    assert trainer.global_step == datamodule.updates
+    return module.model
+
+
+def test_several_updates_per_batch_clip_against_the_first_updates_weights_and_resume_mid_batch(model):
+    """Three SGD steps on one batch (`updates_per_batch=3`, packed into several micro-batches)
+    equal three steps of policy_loss whose ratio is to the weights before the first: the old
+    logprobs are the first update's own (no extra pass), kept for the later updates, and the
+    clip binds there (clip_fraction > 0 at updates 1 and 2, 0 at update 0). A run stopped after
+    update 1 and resumed from the batch's plain-data state (samples, old logprobs) ends with
+    the same weights. Keeping each update's own logprobs as the old ones (a ratio of 1) would
+    give other weights, checked."""
+    samples, lr = rollout_samples(model, n=8), 1.0
+    want, want_clip = reference_updates(model, samples, 3, lr)
+    assert want_clip[0] == 0 and want_clip[1] > 0.05 and want_clip[2] > 0.05  # the trust region binds
+    layout = dict(micro_batch_tokens=40, packing="packed")
+    clip = []
+    got = grpo_updates(copy.deepcopy(model), HeldUpdates(held_batch(samples), 3, **layout), lr, clip)
+    for (name, a), b in zip(want.named_parameters(), got.parameters()):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+    assert clip == pytest.approx(want_clip, abs=1e-6)
+    # ratio 1 at every update (each update its own old policy) is another run: the test can tell
+    no_trust_region = copy.deepcopy(model)
+    for _ in range(3):
+        lp, inf, _, mask, adv = as_batch(no_trust_region, samples)
+        loss, _ = policy_loss(lp, lp.detach(), inf, adv, mask, loss_type="dapo")
+        no_trust_region.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            for p in no_trust_region.parameters():
+                p -= lr * p.grad
+    assert max((a - b).abs().max().item() for a, b in zip(want.parameters(), no_trust_region.parameters())) > 1e-3
+    # stopped after update 1 (of 0, 1, 2), its held batch saved as plain data, resumed
+    held = held_batch(samples)
+    first_two = grpo_updates(copy.deepcopy(model), HeldUpdates(held, 2, **layout), lr)
+    state = held.state_dict(world_size=1)
+    assert json.loads(json.dumps(state)) == state  # plain data: no pickle in the checkpoint
+    resumed = grpo_updates(first_two, HeldUpdates(HeldBatch.from_state(state), 3, start=2, **layout), lr)
+    for (name, a), b in zip(want.named_parameters(), resumed.parameters()):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0, msg=lambda m: f"resumed {name}: {m}")

@@ -237,6 +237,7 @@ class Sim:
         self.cfg, self.rng = cfg, rng
         self.s = StalenessScheduler(**cfg)
         self.G, self.S, self.N = cfg["group_size"], cfg["max_staleness"], cfg["num_batches"]
+        self.U = cfg.get("updates_per_batch", 1)  # optimizer steps per batch: batch k is first trained in step k * U
         self.P = cfg["batch_size"] // self.G
         self.spawn_version: dict[int, int] = {}
         self.in_flight: set[int] = set()
@@ -272,20 +273,22 @@ class Sim:
         if batch is None:
             return False
         k = len(self.popped) // self.s.batch_size
-        assert batch.index == k and len(batch) == self.s.batch_size
+        assert batch.index == k and batch.first_step == k * self.U and len(batch) == self.s.batch_size
+        assert batch.staleness == [k * self.U - v for v in batch.versions]  # in optimizer steps
         for sample, v in zip(batch, batch.versions):
             t = int(sample.split("/")[0])
             assert t in self.completed and sample not in self.popped
-            assert v == self.spawn_version[t] and 0 <= k - v
-            assert self.S is None or k - v <= self.S
+            assert v == self.spawn_version[t] and 0 <= k * self.U - v
+            assert self.S is None or k * self.U - v <= self.S
             self.popped[sample] = k
         tasks = [int(x.split("/")[0]) for x in batch]
         assert all(tasks.count(t) == self.G for t in tasks)  # whole groups
         return True
 
     def set_version(self) -> None:
-        """Lag, catch up, or jump, within `version <= batches popped`."""
-        self.s.set_version(self.rng.randint(self.s.version, self.s.next_batch))
+        """Lag, catch up, or jump (a batch's updates at once), within `version <= optimizer steps
+        that can have run` (batches popped x updates per batch)."""
+        self.s.set_version(self.rng.randint(self.s.version, self.s.next_batch * self.U))
 
     def resume(self) -> None:
         state = json.loads(json.dumps(self.s.state_dict()))
@@ -311,12 +314,12 @@ class Sim:
         assert waiting.isdisjoint(popped) and (waiting | popped) <= self.completed
         dropped = self.completed - waiting - popped
         assert s.dropped_groups == len(dropped) and s.waiting_samples == len(waiting) * self.G
-        assert all(self.spawn_version[t] + self.S < n for t in dropped)
+        assert all(self.spawn_version[t] + self.S < n * self.U for t in dropped)
         if not self.cfg["drop_stale"]:
             assert not dropped
         if self.N is not None:
             assert s.finished == (n == self.N)
-            live = waiting | {t for t in self.in_flight if self.S is None or self.spawn_version[t] + self.S >= n}
+            live = waiting | {t for t in self.in_flight if self.S is None or self.spawn_version[t] + self.S >= n * self.U}
             assert len(live) <= (self.N - n) * self.P  # no over-spawning
             if s.finished:
                 assert s.num_to_spawn() == 0 and s.pop_batch() is None
@@ -334,7 +337,7 @@ class Sim:
                     self.check()
                 return
             idle = not self.in_flight and s.num_to_spawn() == 0
-            if idle and (self.S is None or s.version >= s.next_batch - self.S):
+            if idle and (self.S is None or s.version >= s.next_batch * self.U - self.S):
                 # the consumer kept its side of the contract, so a batch must be ready
                 assert self.pop(), f"hang at batch {s.next_batch}, version {s.version}"
             else:
@@ -343,7 +346,7 @@ class Sim:
                     actions.append(self.spawn)
                 if self.in_flight:
                     actions.append(self.finish)
-                if s.version < s.next_batch:
+                if s.version < s.next_batch * self.U:
                     actions.append(self.set_version)
                 if self.rng.random() < 0.02:
                     actions.append(self.resume)
@@ -360,10 +363,11 @@ class Sim:
     max_staleness=st.sampled_from([0, 1, 2, 3, None]),
     drop_stale=st.booleans(),
     num_batches=st.sampled_from([1, 2, 3, 5, None]),
+    updates_per_batch=st.sampled_from([1, 1, 2, 3]),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_random_interleavings_keep_every_invariant(
-    group_size, groups_per_batch, concurrency, max_staleness, drop_stale, num_batches, seed
+    group_size, groups_per_batch, concurrency, max_staleness, drop_stale, num_batches, updates_per_batch, seed
 ):
     cfg = dict(
         batch_size=group_size * groups_per_batch,
@@ -372,5 +376,30 @@ def test_random_interleavings_keep_every_invariant(
         max_staleness=max_staleness,
         drop_stale=drop_stale,
         num_batches=num_batches,
+        updates_per_batch=updates_per_batch,
     )
     Sim(cfg, random.Random(seed)).run()
+
+
+def test_several_updates_per_batch_count_versions_and_staleness_in_optimizer_steps():
+    """Batch k feeds steps 2k and 2k + 1: a version may be any step reached, staleness is the
+    batch's first step minus the spawn version, and a group spawned at version v may land in
+    batches up to (v + max_staleness) // 2."""
+    s = StalenessScheduler(batch_size=2, group_size=2, max_concurrency=8, max_staleness=1, updates_per_batch=2)
+    (t0,) = spawn_all(s)  # version 0: last batch (0 + 1) // 2 = 0, so only one group may start
+    s.complete(t0, group(t0, 2))
+    batch = s.pop_batch()
+    assert (batch.index, batch.first_step, batch.staleness) == (0, 0, [0, 0])
+    with pytest.raises(ValueError, match="at most 2 optimizer steps"):
+        s.set_version(3)
+    s.set_version(1)  # after batch 0's first update: its groups may land in batch 1 (first step 2, staleness 1)
+    (t1,) = spawn_all(s)
+    s.complete(t1, group(t1, 2))
+    s.set_version(2)
+    batch = s.pop_batch()
+    assert (batch.index, batch.first_step, batch.staleness) == (1, 2, [1, 1])
+    state = s.state_dict()
+    with pytest.raises(ValueError, match="updates_per_batch: saved 2, scheduler has 1"):
+        StalenessScheduler(batch_size=2, group_size=2, max_concurrency=8, max_staleness=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="updates_per_batch must be an int >= 1, got 0"):
+        StalenessScheduler(batch_size=2, group_size=2, max_concurrency=8, max_staleness=1, updates_per_batch=0)

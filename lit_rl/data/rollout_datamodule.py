@@ -38,6 +38,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lit_rl import stopping
 from lit_rl.data.datamodules import PACKING_MODES, resolve_tokenizer_name
+from lit_rl.data.held_batch import HeldBatch
 from lit_rl.data.mixing import build_mixed_step
 from lit_rl.data.rank_share import from_wire, rank_share, to_wire
 from lit_rl.data.replay import ReplayMix, ReplaySource
@@ -149,6 +150,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.runtime: InferenceRuntime | None = None  # the run's servers (found at setup)
         self.rollouts: ThreadedRolloutBuffer | None = None
         self._saved_state: dict | None = None
+        self._held: HeldBatch | None = None  # the batch whose updates are under way
         self._traces_rewound = False
 
     # ---- set-up and validation ---------------------------------------------------------------
@@ -251,9 +253,13 @@ class RolloutDataModule(L.LightningDataModule):
             return RAW
         return SamplingProcess(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
-    def _num_batches(self) -> int | None:
+    def _num_steps(self) -> int | None:
         steps = self.trainer.max_steps if self.trainer is not None else -1
         return steps if steps is not None and steps > 0 else None
+
+    def _num_batches(self) -> int | None:
+        steps = self._num_steps()
+        return None if steps is None else -(-steps // self.updates_per_batch)
 
     # ---- the rollouts (rank 0) ------------------------------------------------------------------
     def _start_rollouts(self) -> None:
@@ -275,7 +281,7 @@ class RolloutDataModule(L.LightningDataModule):
             # The teacher's samples never age; for them the bound keeps generation at most a batch
             # ahead of training (the buffer advances its version as batches are drawn).
             max_staleness=self.max_staleness if self.source == "policy" else 1,
-            drop_stale=self.drop_stale, num_batches=self._num_batches(),
+            drop_stale=self.drop_stale, num_batches=self._num_batches(), updates_per_batch=self.updates_per_batch,
             num_retries=self.num_retries, on_failure=self.on_failure, scale=self.scale,
             skip_zero_advantage=self.skip_zero_advantage, filters=filters,
             requests_per_minute=self.requests_per_minute, seed=self.seed,
@@ -316,39 +322,82 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ---- batches: step numbers from the loader, rollouts inside the step ---------------------------
     def train_dataloader(self):
-        return torch.utils.data.DataLoader(_StepNumbers(self._num_batches()), batch_size=None, num_workers=0)
+        return torch.utils.data.DataLoader(_StepNumbers(self._num_steps()), batch_size=None, num_workers=0)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if not (isinstance(batch, dict) and "rollout_step" in batch):
             return batch
         return self._draw_step()
 
+    @property
+    def updates_per_batch(self) -> int:
+        """Optimizer steps each batch feeds: the module's `updates_per_batch` (GRPO), else 1."""
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        return int(getattr(module, "updates_per_batch", 1))
+
     def _draw_step(self) -> dict:
-        """Collective under several ranks: rank 0 draws the batch, every rank takes its share."""
+        """Collective under several ranks: rank 0 draws the batch, every rank takes its share.
+        With several updates per batch, only a batch's first step draws; the later ones train
+        the held one again (`lit_rl.data.held_batch`)."""
         trainer = self.trainer
         wait_start = time.perf_counter()
         if not self._traces_rewound:  # the first step of this run
             if trainer.global_step > 0:  # resumed (a fresh run's old traces are removed by `_start_rollouts`)
                 rewind_traces(self._root(), trainer.global_step, trainer.global_rank)
             self._traces_rewound = True
+        update = trainer.global_step % self.updates_per_batch
+        first_step = trainer.global_step - update
+        held = self._held
+        if held is None or held.first_step != first_step:
+            if update:
+                raise RuntimeError(f"step {trainer.global_step} is update {update} of the batch drawn at step "
+                                   f"{first_step}, which this run does not hold (a checkpoint from before "
+                                   "updates_per_batch was set?)")
+            held = self._held = HeldBatch(first_step, self._draw_payload(first_step))
+        payload = held.payload
+        samples = payload["samples"]
+        step = held.step
+        if step is None:
+            step = self._build_step(samples, payload)
+            if self.updates_per_batch > 1:  # kept, with a slot per micro-batch for the old logprobs
+                step = held.hold(step, trainer.global_rank, trainer.world_size)
+        stats = {**step["stats"], **rollout_stats(samples, payload["staleness"]),
+                 "data_wait_s": time.perf_counter() - wait_start}
+        step = {**step, "update": update, "stats": stats, "metrics": payload["metrics"]}
+        if not update and self.progress_every and trainer.global_step % self.progress_every == 0:
+            rank_zero_info(f"step {trainer.global_step}: {payload['progress']}")
+        return step
+
+    def _draw_payload(self, first_step: int) -> dict:
+        """The next batch on every rank (rank 0 draws it and broadcasts it as plain data), its
+        trace written; checked to be the batch this step trains."""
+        trainer = self.trainer
         payload = None
         if trainer.is_global_zero:
             batch = self._wait_for_batch()
             if batch is None:
                 payload = {"stop": True}
             else:
+                if batch.first_step != first_step:
+                    raise RuntimeError(f"step {first_step} drew rollout batch {batch.index}, which belongs to step "
+                                       f"{batch.first_step}: the rollouts' state and the trainer's step disagree")
                 replay = self.mix.take()
                 payload = {"samples": list(batch), "staleness": list(batch.staleness), "replay": replay,
                            "metrics": self.rollouts.metrics(), "progress": self.rollouts.progress()}
-                trace_batch(self._root(), trainer.global_step, batch, replay)
+                trace_batch(self._root(), first_step, batch, replay)
         if trainer.world_size > 1:  # plain data across ranks, samples as dicts
             payload = from_wire(trainer.strategy.broadcast(to_wire(payload) if payload is not None else None, src=0))
         if payload.get("stop"):  # every rank abandons the step before training any of it
             raise stopping.stop(trainer, f"step {trainer.global_step} abandoned while waiting for its batch")
-        samples = payload["samples"]
-        mine = rank_share(samples, trainer.global_rank, trainer.world_size)
         if trainer.world_size > 1:
-            trace_share(self._root(), trainer.global_step, trainer.global_rank, mine)
+            mine = rank_share(payload["samples"], trainer.global_rank, trainer.world_size)
+            trace_share(self._root(), first_step, trainer.global_rank, mine)
+        return payload
+
+    def _build_step(self, samples: list, payload: dict) -> dict:
+        """This rank's share of a batch as a step of micro-batches."""
+        trainer = self.trainer
+        mine = rank_share(samples, trainer.global_rank, trainer.world_size)
         layout = dict(micro_batch_tokens=self.micro_batch_tokens, packing=self.packing, pack_length=self.pack_length)
         if self.mix.split:  # each source packed apart, micro-batches tagged with the loss they feed
             parts = [(part, mine if i == 0 else rank_share(payload["replay"][part.name], trainer.global_rank,
@@ -357,11 +406,6 @@ class RolloutDataModule(L.LightningDataModule):
             step = build_mixed_step(parts, **layout)
         else:
             step = build_step(mine, **layout)
-        step["stats"].update(rollout_stats(samples, payload["staleness"]))
-        step["stats"]["data_wait_s"] = time.perf_counter() - wait_start
-        step["metrics"] = payload["metrics"]
-        if self.progress_every and trainer.global_step % self.progress_every == 0:
-            rank_zero_info(f"step {trainer.global_step}: {payload['progress']}")
         return step
 
     def _wait_for_batch(self):
@@ -392,11 +436,16 @@ class RolloutDataModule(L.LightningDataModule):
             state["buffer"] = self._saved_state
         if self.mix.state_dict():
             state["replay"] = self.mix.state_dict()
+        trainer, held = self.trainer, self._held
+        if held is not None and trainer is not None and held.first_step < trainer.global_step < (
+                held.first_step + self.updates_per_batch):  # saved between two updates of one batch
+            state["held_batch"] = held.state_dict(trainer.world_size)  # a collective: every rank dumps
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self._saved_state = state.get("buffer")
         self.mix.load_state_dict(state.get("replay"))
+        self._held = HeldBatch.from_state(state["held_batch"]) if "held_batch" in state else None
 
 
 class _StepNumbers(torch.utils.data.IterableDataset):

@@ -7,13 +7,22 @@ log-probability the inference server returned with it, and the sequence's advant
 (reward minus its group's mean, by default over the group's std). The loss is
 `lit_rl.losses.policy_loss`; read its docstring for the formula and each knob.
 
-Departures from the GRPO paper, all common practice since: one optimizer step per batch,
-so the ratio to the "old" policy is 1 and the off-policy part (rollouts drawn by weights
-up to `max_staleness` steps old, and the sampler's numerics) is carried by the
-behaviour-policy weight exp(old - inference), truncated at `is_cap` (prime-rl, verl);
-the default aggregation is DAPO's token mean over the whole step (`loss_type="dapo"`);
-the KL penalty to a frozen reference is off by default (`kl_coef=0`: no reference is
-loaded and nothing is computed for it).
+Two policies stand between a sample and the gradient. The "old" policy is the trainer's
+weights at the batch's first update: with `updates_per_batch=U` (TRL's `num_iterations`,
+the paper's mu) each batch feeds U optimizer steps, and the clipped ratio exp(logp - old)
+keeps the later updates in a trust region (`clip_low`, `clip_high`; `train/clip_fraction`
+says how often it binds). With U = 1 (the default) the ratio is 1 and clipping never acts.
+The sampler is the inference server's copy of weights up to `max_staleness` steps older,
+with its own numerics: that off-policy part is carried by the behaviour-policy weight
+exp(old - inference), truncated at `is_cap` (prime-rl, verl). The default aggregation is
+DAPO's token mean over the whole step (`loss_type="dapo"`); the KL penalty to a frozen
+reference is off by default (`kl_coef=0`: no reference is loaded and nothing is computed
+for it).
+
+The old logprobs cost no extra forward: the first update's own forward, detached, is the
+old policy's (`lit_rl.data.held_batch`). The server is synced after every optimizer step,
+not every batch: the next batches' rollouts then come from the newest weights and
+`max_staleness` means what it says in steps, at one reload per step as with U = 1.
 
 The step's normaliser (tokens for dapo, sequences for grpo/gspo) is counted over all
 micro-batches and ranks before the backward, so the update equals `policy_loss` over the
@@ -26,6 +35,7 @@ import copy
 
 import torch
 
+from lit_rl.data.held_batch import old_logprobs
 from lit_rl.losses import POLICY_METRICS, check_policy_loss_options, policy_loss_normaliser, policy_loss_sums
 from lit_rl.modules.base import CausalLMModule
 from lit_rl.modules.model_loading import load_causal_lm
@@ -46,6 +56,7 @@ class GRPO(CausalLMModule):
         kl_coef: float = 0.0,
         reference_model: str | None = None,
         log_entropy: bool = True,
+        updates_per_batch: int = 1,
         **kwargs,
     ):
         """
@@ -66,17 +77,23 @@ class GRPO(CausalLMModule):
                 start of training (before any checkpoint is restored).
             log_entropy: log the mean entropy of the distributions the completion tokens were
                 sampled from (an extra pass over each head chunk, no backward).
+            updates_per_batch: optimizer steps on each rollout batch (each on the whole batch,
+                TRL's ``num_iterations``); the clipped ratio is to the weights of the batch's
+                first update. ``trainer.max_steps`` still counts optimizer steps.
             *args, **kwargs: the `CausalLMModule` arguments (model, optimizer, ...).
         """
         super().__init__(*args, **kwargs)
         problems = check_policy_loss_options(loss_type, is_correction, clip_low, clip_high, is_cap, max_completion_length)
         if kl_coef < 0:
             problems.append(f"kl_coef must be >= 0, got {kl_coef}")
+        if not isinstance(updates_per_batch, int) or isinstance(updates_per_batch, bool) or updates_per_batch < 1:
+            problems.append(f"updates_per_batch must be an int >= 1, got {updates_per_batch!r}")
         if problems:
             raise ValueError("GRPO: " + "; ".join(problems))
         self.loss_type, self.clip_low, self.clip_high = loss_type, clip_low, clip_high
         self.is_correction, self.is_cap, self.max_completion_length = is_correction, is_cap, max_completion_length
         self.kl_coef, self.reference_model, self.log_entropy = kl_coef, reference_model, log_entropy
+        self.updates_per_batch = updates_per_batch
         self._reference = None  # frozen; deliberately not a submodule: no optimizer state, no checkpoint bytes
 
     def before_sharding(self) -> None:
@@ -115,8 +132,10 @@ class GRPO(CausalLMModule):
         if self.kl_coef > 0:
             log_ratio = self._reference_logprobs(micro_batch) - logprobs  # [B, T]
             kl = torch.exp(log_ratio) - log_ratio - 1.0  # [B, T]
+        update = self.trainer.global_step % self.updates_per_batch if self.updates_per_batch > 1 else 0
+        old = old_logprobs(micro_batch, logprobs, update)
         loss_sum, sums = policy_loss_sums(
-            logprobs, logprobs.detach(), micro_batch["logprobs"], micro_batch["advantages"], mask,
+            logprobs, old, micro_batch["logprobs"], micro_batch["advantages"], mask,
             micro_batch["sequence_ids"], loss_type=self.loss_type, clip_low=self.clip_low, clip_high=self.clip_high,
             is_correction=self.is_correction, is_cap=self.is_cap,
             extra_token_loss=None if kl is None else self.kl_coef * kl,

@@ -105,6 +105,7 @@ class RolloutBuffer:
         max_staleness: int | None = None,
         drop_stale: bool = False,
         num_batches: int | None = None,
+        updates_per_batch: int = 1,
         num_retries: int = 2,
         retry_backoff: float = 1.0,
         on_failure: str = "reject",
@@ -135,6 +136,8 @@ class RolloutBuffer:
                 None: unbounded (a standalone collector never has to call `set_version`).
             drop_stale: drop groups that finish too old (True) or throttle spawning (False).
             num_batches: batches in the run; None: endless.
+            updates_per_batch: optimizer steps each batch feeds (versions and staleness stay
+                in optimizer steps; `lit_rl.rollouts.scheduler`).
             num_retries: retries of a failed rollout (so num_retries + 1 attempts).
             retry_backoff: seconds before the first retry; doubled for each next one.
             on_failure: "reject" (count the task, spawn another) or "raise" (the error is
@@ -170,7 +173,8 @@ class RolloutBuffer:
         problems = []
         try:
             self._scheduler = StalenessScheduler(
-                batch_size, group_size, max_concurrency, max_staleness, drop_stale=drop_stale, num_batches=num_batches
+                batch_size, group_size, max_concurrency, max_staleness, drop_stale=drop_stale, num_batches=num_batches,
+                updates_per_batch=updates_per_batch,
             )
         except ValueError as e:
             problems.append(str(e).removeprefix("StalenessScheduler: "))
@@ -321,7 +325,7 @@ class RolloutBuffer:
             batch = self._scheduler.pop_batch()
             if batch is not None:
                 if self.source == "teacher":  # no policy versions: each drawn batch lets the next start
-                    self._scheduler.set_version(batch.index + 1)
+                    self._scheduler.set_version(self._scheduler.first_step(batch.index + 1))
                 batch = self._finish(batch)
                 self._fill()
                 return batch
@@ -333,8 +337,8 @@ class RolloutBuffer:
                 raise RuntimeError(
                     f"RolloutBuffer: batch {s.next_batch} can never be filled: nothing is in flight and the "
                     f"scheduler may start nothing at policy version {s.version} with max_staleness={s.max_staleness} "
-                    f"(it needs version >= {s.next_batch - (s.max_staleness or 0)}); call set_version(k + 1) "
-                    "after training batch k"
+                    f"(it needs version >= {s.first_step(s.next_batch) - (s.max_staleness or 0)}); call "
+                    "set_version(s + 1) after optimizer step s"
                 )
             self._changed.clear()
             await self._changed.wait()
@@ -551,7 +555,7 @@ class RolloutBuffer:
 
     def _finish(self, batch: Batch) -> Batch:
         samples = with_group_advantages(batch, self.group_size, self.scale)
-        out = Batch(samples, index=batch.index, versions=batch.versions)
+        out = Batch(samples, index=batch.index, versions=batch.versions, first_step=batch.first_step)
         staleness = out.staleness
         lengths = [s.metadata.get("completion_tokens", s.num_targets) for s in out]
         self._last = {

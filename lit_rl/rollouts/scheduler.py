@@ -6,13 +6,16 @@ A pure, synchronous core with no I/O and no clock: the async rollout buffer call
 server starts serving new weights. Keeping the decisions here makes them testable
 under any interleaving, which is where async RL trainers usually go wrong.
 
-Staleness. Batches are numbered by the optimizer step that consumes them: batch k
-is trained in step k. The policy version v is the number of optimizer steps whose
+Staleness. Staleness is counted in optimizer steps. Each batch feeds
+`updates_per_batch` (U) optimizer steps in a row: batch k is trained first in step
+k * U (its *first step*), then in the U - 1 steps after it (U = 1, the default: batch k
+is trained in step k). The policy version v is the number of optimizer steps whose
 weights the server serves. A group spawned under version v that lands in batch k
-has staleness k - v, and no popped sample ever exceeds `max_staleness`. So a group
-spawned at v must land in a batch k <= v + max_staleness (its *last batch*).
-`max_staleness=0` is synchronous on-policy RL: batch k holds only groups spawned
-at version k.
+has staleness k * U - v (how far its sampler lags the weights of the batch's first
+update; the later updates are the trust region's business, not staleness), and no
+popped sample ever exceeds `max_staleness`. So a group spawned at v must land in a
+batch k <= (v + max_staleness) // U (its *last batch*). `max_staleness=0` is
+synchronous on-policy RL: batch k holds only groups spawned at version k * U.
 
 Two policies for keeping that bound:
 
@@ -42,18 +45,21 @@ from typing import Any
 
 class Batch(list):
     """The samples of one popped batch (a plain list, in group order) plus what staleness
-    metrics need: `index` (the optimizer step that trains it) and `versions` (the policy
-    version each sample was spawned under, aligned with the samples)."""
+    metrics need: `index` (batches popped before it), `first_step` (the optimizer step that
+    trains it first: index x updates_per_batch) and `versions` (the policy version each
+    sample was spawned under, aligned with the samples)."""
 
-    def __init__(self, samples: Sequence[Any], index: int, versions: Sequence[int]) -> None:
+    def __init__(self, samples: Sequence[Any], index: int, versions: Sequence[int],
+                 first_step: int | None = None) -> None:
         super().__init__(samples)
         self.index = index
+        self.first_step = index if first_step is None else first_step
         self.versions = list(versions)
 
     @property
     def staleness(self) -> list[int]:
-        """`index - version` per sample; never above the scheduler's `max_staleness`."""
-        return [self.index - v for v in self.versions]
+        """`first_step - version` per sample; never above the scheduler's `max_staleness`."""
+        return [self.first_step - v for v in self.versions]
 
 
 @dataclass
@@ -78,15 +84,18 @@ class StalenessScheduler:
         drop_stale: False throttles spawning so no group ever gets too old; True spawns
             freely and drops (and replaces) groups that finish too old.
         num_batches: batches in the run; None means the run never ends.
+        updates_per_batch: optimizer steps each batch feeds (several updates on one batch:
+            TRL's `num_iterations`); staleness and versions stay in optimizer steps.
 
     Consumer contract (what the buffer and trainer must do):
         - Every spawned task eventually gets `complete()` or `reject()`.
-        - `set_version(v)` is non-decreasing and `v <= batches popped` (the weights of
-          step v exist only after batch v-1 was popped). Normal use: after training
-          batch k, serve the new weights and call `set_version(k + 1)`; a late call
-          is allowed, but to get batch k the version must reach `k - max_staleness`
-          (with nothing in flight and no batch ready, `num_to_spawn() > 0` is only
-          guaranteed once `version >= next_batch - max_staleness`).
+        - `set_version(v)` is non-decreasing and `v <= batches popped x updates_per_batch`
+          (step v-1 can only have run once its batch was popped). Normal use: after
+          optimizer step s, serve the new weights and call `set_version(s + 1)`; any
+          non-decreasing v is allowed (a sync after each batch only: `set_version((k + 1) x
+          updates_per_batch)`), late calls too, but to get batch k the version must reach
+          `k x updates_per_batch - max_staleness` (with nothing in flight and no batch
+          ready, `num_to_spawn() > 0` is only guaranteed then).
         - Stamp each task's samples with `version` read right after `spawn()`;
           `pop_batch()` also returns the spawn version of every sample.
 
@@ -102,6 +111,7 @@ class StalenessScheduler:
         max_staleness: int | None,
         drop_stale: bool = False,
         num_batches: int | None = None,
+        updates_per_batch: int = 1,
     ) -> None:
         problems, bad = [], set()
         for name, value, lowest, optional in [
@@ -110,6 +120,7 @@ class StalenessScheduler:
             ("max_concurrency", max_concurrency, 1, False),
             ("max_staleness", max_staleness, 0, True),
             ("num_batches", num_batches, 1, True),
+            ("updates_per_batch", updates_per_batch, 1, False),
         ]:
             if value is None and optional:
                 continue
@@ -130,6 +141,7 @@ class StalenessScheduler:
         self.max_staleness = max_staleness
         self.drop_stale = drop_stale
         self.num_batches = num_batches
+        self.updates_per_batch = updates_per_batch
         self._groups_per_batch = batch_size // group_size
         self._max_groups_in_flight = max(1, max_concurrency // group_size)
         self._version = 0
@@ -152,6 +164,10 @@ class StalenessScheduler:
     def next_batch(self) -> int:
         """Index of the next batch `pop_batch()` returns (= batches popped so far)."""
         return self._next_batch
+
+    def first_step(self, batch: int) -> int:
+        """The optimizer step that trains batch `batch` first."""
+        return batch * self.updates_per_batch
 
     @property
     def in_flight_samples(self) -> int:
@@ -192,10 +208,10 @@ class StalenessScheduler:
         """The server now serves the weights after `version` optimizer steps."""
         if version < self._version:
             raise ValueError(f"set_version({version}): versions never decrease (current {self._version})")
-        if version > self._next_batch:
+        if version > self.first_step(self._next_batch):
             raise ValueError(
                 f"set_version({version}): only {self._next_batch} batches were popped, so "
-                f"at most {self._next_batch} optimizer steps can have run"
+                f"at most {self.first_step(self._next_batch)} optimizer steps can have run"
             )
         self._version = version
 
@@ -245,6 +261,7 @@ class StalenessScheduler:
             [s for g in groups for s in g.samples],
             index=self._next_batch,
             versions=[g.version for g in groups for _ in g.samples],
+            first_step=self.first_step(self._next_batch),
         )
         self._next_batch += 1
         if self.drop_stale:  # groups that missed their last batch can never be trained
@@ -266,6 +283,7 @@ class StalenessScheduler:
             "max_staleness": self.max_staleness,
             "drop_stale": self.drop_stale,
             "num_batches": self.num_batches,
+            "updates_per_batch": self.updates_per_batch,
             "version": self._version,
             "next_batch": self._next_batch,
             "next_task_id": self._next_task_id,
@@ -279,10 +297,12 @@ class StalenessScheduler:
         """Restore a saved state. Finished-but-unpopped groups come back as they were;
         tasks that were in flight at save time are forgotten and their budget returned,
         so replacements get spawned (their ids are unknown afterwards). `max_concurrency`
-        may change, and `num_batches` may grow to extend a run; the rest must match."""
+        may change, and `num_batches` may grow to extend a run; the rest must match (a state
+        from before `updates_per_batch` existed had 1)."""
+        state = {"updates_per_batch": 1, **state}
         problems = [
             f"{key}: saved {state[key]!r}, scheduler has {getattr(self, key)!r}"
-            for key in ("batch_size", "group_size", "max_staleness", "drop_stale")
+            for key in ("batch_size", "group_size", "max_staleness", "drop_stale", "updates_per_batch")
             if state[key] != getattr(self, key)
         ]
         saved_n = state["num_batches"]
@@ -310,7 +330,7 @@ class StalenessScheduler:
         """Last batch a group spawned at `version` may join, capped at the run's last batch
         (a slot past the end is no slot); None when there is no limit. The deadline used
         for throttling."""
-        bounds = [version + self.max_staleness] if self.max_staleness is not None else []
+        bounds = [(version + self.max_staleness) // self.updates_per_batch] if self.max_staleness is not None else []
         if self.num_batches is not None:
             bounds.append(self.num_batches - 1)
         return min(bounds, default=None)
@@ -318,7 +338,7 @@ class StalenessScheduler:
     def _expired(self, version: int) -> bool:
         """True when a group spawned at `version` is too old for the next batch (and so
         for every later one)."""
-        return self.max_staleness is not None and version + self.max_staleness < self._next_batch
+        return self.max_staleness is not None and (version + self.max_staleness) // self.updates_per_batch < self._next_batch
 
     def _choose(self) -> list[int] | None:
         """Indices into the ready list for the next batch, in completion order, or None.
