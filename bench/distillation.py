@@ -22,6 +22,8 @@ with real vLLM servers:
   opd_topk_reverse_kl, opd_topk_forward_kl, opd_topk_jsd
                `opd.yaml` with the teacher on its own vLLM server returning its top 20 tokens per
                position (`teacher_top_k`), that divergence over them and a tail bin.
+  trl_grpo     TRL's `GRPOTrainer` (a child process, `bench/trl_grpo.py`): the GRPO method's settings,
+               the same prompts in lit-rl's draw order; `+iterN` (num_iterations), `+t07`, `+seedN`.
   trl          TRL's `DistillationTrainer` (a child process): on-policy, beta 1.0 (reverse KL over
                the whole vocabulary), teacher in process, `use_vllm=False`, opd.yaml's lr and AdamW
                (no weight decay, constant rate, clipping at 1.0), 64 completions per step (16 x 4
@@ -34,7 +36,10 @@ opd.yaml has both, and `group4` / `stale1` give its earlier batch (16 x 4, one s
 that the tables before that date ran with. For `opd_sampled`: `rawadv` trains the raw advantage
 (no baseline, as before 2026-12-04), `clip1` clips each token's advantage to [-1, 1] (the
 default since 2026-12-04), `noclip` does not, `warmup10`
-warms the lr up linearly over 10 steps (transformers' constant_with_warmup). Any method, `trl`
+warms the lr up linearly over 10 steps (transformers' constant_with_warmup). For `grpo`: `upb2`
+sets `updates_per_batch` 2 (TRL's `num_iterations`), `t07` samples at temperature 0.7,
+`scalebatch` / `scalenone` divide the advantage by the batch's reward std / by nothing (the
+default divides by the group's), `lr1e4` trains at lr 1e-4 (AdamW, no weight decay). Any method, `trl`
 too, may carry `seedN` (`trl+seed1`): the run's seed (default: opd.yaml's `seed_everything`), to
 see how far two runs of one setting differ.
 
@@ -51,6 +56,7 @@ into each run's `evals/eval_metrics.csv`, and the curves of all runs overlaid in
     .venv/bin/python bench/distillation.py --methods grpo,grpo_replay --steps 60 --out runs/replay_bench
     .venv/bin/python bench/distillation.py --score-only     # re-score the runs already there, overlay them
     .venv/bin/python bench/distillation.py --methods opd_sampled,opd_reverse_kl,trl --steps 40 --every 10
+    .venv/bin/python bench/distillation.py --methods grpo,trl_grpo,grpo+upb2,trl_grpo+iter2 --steps 40 --every 10
 
 Besides the held-out curve, each run reports its seconds per optimizer step after the first
 (lit-rl: from `train/tokens / train/tokens_per_s` of each logged step, which spans the step's wait
@@ -72,6 +78,7 @@ import yaml
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
+import trl_grpo  # noqa: E402
 from _common import REPO  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO, "examples", "reverse_text"))
@@ -94,13 +101,19 @@ CONFIGS = {
     "opd_topk_forward_kl": (OPD, "OPD, forward KL over the teacher server's top 20 + tail"),
     "opd_topk_jsd": (OPD, "OPD, JSD beta 0.5 over the teacher server's top 20 + tail"),
     "trl": (None, "TRL DistillationTrainer (beta 1, teacher in process)"),
+    "trl_grpo": (None, "TRL GRPOTrainer (reward only)"),
 }
 NO_TEACHER = ("grpo", "grpo_replay")
+TRL = ("trl", "trl_grpo")
 IN_PROCESS = {"opd_reverse_kl": "reverse_kl", "opd_forward_kl": "forward_kl", "opd_jsd": "jsd"}
 SERVED_TOPK = {f"opd_topk_{d}": d for d in ("reverse_kl", "forward_kl", "jsd")}
 MODIFIERS = {"group1": ["--data.init_args.group_size", "1"], "fresh": ["--data.init_args.max_staleness", "0"],
              "group4": ["--data.init_args.group_size", "4"], "stale1": ["--data.init_args.max_staleness", "1"],
              "rawadv": ["--model.init_args.advantage_baseline", "none"],
+             "upb2": ["--model.init_args.updates_per_batch", "2"], "t07": ["--data.init_args.temperature", "0.7"],
+             "scalebatch": ["--data.init_args.scale", "batch"], "scalenone": ["--data.init_args.scale", "none"],
+             "lr1e4": ["--model.init_args.optimizer", json.dumps({"class_path": "torch.optim.AdamW", "init_args": {
+                 "lr": 1e-4, "weight_decay": 0.0}})],
              "clip1": ["--model.init_args.advantage_clip", "1.0"], "noclip": ["--model.init_args.advantage_clip", "null"],
              "warmup10": ["--model.init_args.lr_scheduler", json.dumps({"class_path": "lit_rl.optim.LRSchedule", "init_args": {
                  "name": "constant_with_warmup", "warmup_steps": 10}})]}
@@ -139,13 +152,20 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     def known(method: str) -> bool:
+        if base_method(method) == "trl_grpo":
+            try:
+                trl_grpo.modifiers(method)
+                return True
+            except ValueError:
+                return False
         mods = [m for m in method.split("+")[1:] if not (m[:4] == "seed" and m[4:].isdigit())]
         return base_method(method) in CONFIGS and all(m in MODIFIERS for m in mods) and not (
             mods and base_method(method) == "trl")
 
     unknown = sorted(m for m in args.methods if not known(m))
     if unknown:
-        p.error(f"unknown methods {unknown}; known: {list(CONFIGS)}, lit-rl's with +{'/+'.join(MODIFIERS)}, any with +seedN")
+        p.error(f"unknown methods {unknown}; known: {list(CONFIGS)}, lit-rl's with +{'/+'.join(MODIFIERS)}, "
+                "trl_grpo with +iterN/+t07, any with +seedN")
     for what in ("student", "teacher"):
         if not os.path.isfile(os.path.join(getattr(args, what), "STABLE")):
             p.error(f"--{what} {getattr(args, what)} is not a finished checkpoint; bash examples/reverse_text/run_opd_demo.sh makes both")
@@ -216,7 +236,10 @@ def lit_rl_speed(root: str) -> dict:
     (path,) = sorted(glob.glob(os.path.join(root, "logs", "version_*", "metrics.csv")))[-1:]
     rows = [r for r in csv.DictReader(open(path)) if r.get("train/tokens_per_s")]
     spans = [float(r["train/tokens"]) / float(r["train/tokens_per_s"]) for r in rows[1:]]
-    return {"step_s": sum(spans) / max(len(spans), 1), "peak_rss_gb": max(float(r["train/peak_memory_gb"]) for r in rows)}
+    means = {k: sum(float(r[f"train/{k}"]) for r in rows) / len(rows) for k in ("clip_fraction", "mismatch_kl")
+             if all(r.get(f"train/{k}") for r in rows)}  # GRPO's
+    return {"step_s": sum(spans) / max(len(spans), 1), "peak_rss_gb": max(float(r["train/peak_memory_gb"]) for r in rows),
+            **means}
 
 
 def run_method(args, method: str, student: dict) -> dict:
@@ -226,6 +249,8 @@ def run_method(args, method: str, student: dict) -> dict:
         wall = None
     elif base_method(method) == "trl":
         wall, speed = train_trl(args, root, method_seed(method))
+    elif base_method(method) == "trl_grpo":
+        wall, speed = trl_grpo.train_trl_grpo(args, method, root)
     else:
         wall = train_method(args, method, root)
         speed = lit_rl_speed(root)
@@ -278,6 +303,10 @@ def main(argv=None) -> None:
                      f"{format(r['peak_rss_gb'], '.2f') + ' GB' if 'peak_rss_gb' in r else '-'} | "
                      f"{'-' if r['wall_s'] is None else format(r['wall_s'], '.0f') + ' s'} |")
     print("\n".join(lines))
+    for m, r in results.items():  # the policy-gradient runs' trust region and sampler mismatch, mean over steps
+        if r.get("clip_fraction") is not None:
+            print(f"{m}: clip_fraction {r['clip_fraction']:.4f}"
+                  + (f", mismatch_kl {r['mismatch_kl']:.2e}" if "mismatch_kl" in r else ""))
     budget = "as trained earlier (--score-only)" if args.score_only else (
         f"{args.steps} steps per run" if args.steps else f"{args.minutes} min per run")
     print(f"teacher: greedy {teacher['reward']:.3f}, sampled {teacher['sampled_reward']:.3f}; budget {budget}; "

@@ -1,0 +1,165 @@
+"""TRL's GRPOTrainer as a method of `bench/distillation.py` (`trl_grpo`): GRPO from the same
+student on the same prompts, in the order lit-rl's rollout buffer draws them, with
+`examples/reverse_text/grpo.yaml`'s settings, exported every `--every` steps and scored like
+lit-rl's runs.
+
+Matched to lit-rl's GRPO: 8 prompts x 8 completions per optimizer step (`num_generations` 8,
+16 per micro-batch, 4 accumulated), at most 48 new tokens, the reverse-text reward
+(`ReverseTextEnv.reward`), DAPO's token mean, clip 0.2 / 0.28, no KL, AdamW at grpo.yaml's lr
+without weight decay, constant rate, gradient clipping at 1.0, float32, no gradient
+checkpointing. Modifiers: `iterN` sets `num_iterations` N (each generation batch feeds N
+optimizer steps: lit-rl's `updates_per_batch`), `t07` samples at temperature 0.7 (lit-rl's
+`+t07`), `seedN` the seed. `use_vllm=False`: TRL generates with the trained model itself, so
+its samples are exactly on-policy (lit-rl's come from a vLLM server up to one step stale).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import yaml
+
+from _common import REPO
+
+GRPO_CONFIG = os.path.join(REPO, "examples", "reverse_text", "grpo.yaml")
+MICRO = 16
+
+
+def modifiers(method: str) -> dict:
+    """`iterN`, `t07` and `seedN` of a `trl_grpo+...` method; unknown ones are an error."""
+    out = {"num_iterations": 1, "temperature": 1.0, "seed": None}
+    for m in method.split("+")[1:]:
+        if m[:4] == "iter" and m[4:].isdigit():
+            out["num_iterations"] = int(m[4:])
+        elif m[:4] == "seed" and m[4:].isdigit():
+            out["seed"] = int(m[4:])
+        elif m == "t07":
+            out["temperature"] = 0.7
+        else:
+            raise ValueError(f"{method}: unknown modifier {m!r} (trl_grpo takes iterN, t07, seedN)")
+    return out
+
+
+def drawn_prompts(path: str, n: int, seed: int) -> list[dict]:
+    """The first `n` tasks in the order lit-rl's RolloutBuffer draws them (a seeded shuffle per epoch)."""
+    sys.path.insert(0, REPO)
+    from lit_rl.rollouts.envs import ReverseTextEnv
+
+    tasks = ReverseTextEnv(path=path).tasks()
+    rows, epoch = [], 0
+    while len(rows) < n:
+        order = list(range(len(tasks)))
+        random.Random(f"lit-rl:{seed}:{epoch}").shuffle(order)
+        rows += [{"prompt": tasks[i]["prompt"], "text": tasks[i]["text"]} for i in order]
+        epoch += 1
+    return rows[:n]
+
+
+def train_trl_grpo(args, method: str, root: str) -> tuple[float, dict]:
+    """Run the worker in a child process; its wall time and speed."""
+    import shutil
+
+    if not args.steps:
+        raise SystemExit("trl_grpo needs --steps (TRL has no wall-clock budget)")
+    mods = modifiers(method)
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    with open(GRPO_CONFIG) as f:
+        example = yaml.safe_load(f)
+    optimizer, data = example["model"]["init_args"]["optimizer"], example["data"]["init_args"]
+    if optimizer["class_path"] != "torch.optim.AdamW" or optimizer["init_args"].get("weight_decay", 0.01) != 0.0:
+        raise RuntimeError(f"{GRPO_CONFIG}: the bench gives TRL AdamW without weight decay; update it")
+    tasks = data["batch_size"] // data["group_size"]
+    batches = -(-args.steps // mods["num_iterations"])
+    prompts = drawn_prompts(os.path.join(REPO, data["env"]["init_args"]["path"]), batches * tasks,
+                            data.get("seed", 0))
+    spec = {"student": args.student, "root": root, "steps": args.steps, "every": args.every,
+            "lr": optimizer["init_args"]["lr"], "batch": data["batch_size"], "group_size": data["group_size"],
+            "max_tokens": data["max_tokens"], "prompts": prompts,
+            "seed": example.get("seed_everything", 0) if mods["seed"] is None else mods["seed"],
+            "num_iterations": mods["num_iterations"], "temperature": mods["temperature"],
+            "out": os.path.join(root, "trl_result.json")}
+    spec_path = os.path.join(root, "trl_spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    started = time.perf_counter()
+    with open(root + ".log", "w") as log:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), spec_path], cwd=REPO,
+                              stdout=log, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{method} failed (exit {proc.returncode}); see {root}.log")
+    with open(spec["out"]) as f:
+        return time.perf_counter() - started, json.load(f)
+
+
+def worker(spec_path: str) -> None:
+    import resource
+    import statistics
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import datasets
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lit_rl.rollouts.envs import lcs_ratio
+
+    transformers.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    with open(spec_path) as f:
+        spec = json.load(f)
+    tokenizer = AutoTokenizer.from_pretrained(spec["student"])
+    ticks: list[float] = []
+
+    def reverse_text_reward(prompts, completions, text, **kwargs):
+        """ReverseTextEnv.reward: LCS ratio of the stripped completion against the reversed text."""
+        return [lcs_ratio(c[0]["content"].strip(), t[::-1]) for c, t in zip(completions, text)]
+
+    class ExportAndClock(TrainerCallback):
+        def on_step_end(self, args_, state, control, model=None, **kwargs):
+            ticks.append(time.perf_counter())
+            if state.global_step % spec["every"] == 0 or state.global_step == spec["steps"]:
+                out = os.path.join(spec["root"], "weights", f"step_{state.global_step}")
+                model.save_pretrained(out)
+                tokenizer.save_pretrained(out)
+                open(os.path.join(out, "STABLE"), "w").close()
+
+    config = GRPOConfig(
+        output_dir=os.path.join(spec["root"], "trl_out"), use_cpu=True, use_vllm=False, bf16=False, fp16=False,
+        gradient_checkpointing=False, per_device_train_batch_size=MICRO,
+        gradient_accumulation_steps=spec["batch"] // MICRO, num_iterations=spec["num_iterations"],
+        num_generations=spec["group_size"], max_completion_length=spec["max_tokens"],
+        temperature=spec["temperature"], top_p=1.0, learning_rate=spec["lr"], lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, optim="adamw_torch", max_grad_norm=1.0, loss_type="dapo",
+        epsilon=0.2, epsilon_high=0.28, beta=0.0, shuffle_dataset=False, max_steps=spec["steps"],
+        logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        seed=spec["seed"],
+    )
+    if config.generation_batch_size != spec["batch"]:
+        raise RuntimeError(f"TRL would generate {config.generation_batch_size} completions per batch, not {spec['batch']}")
+    model = AutoModelForCausalLM.from_pretrained(spec["student"], dtype=torch.float32, attn_implementation="sdpa")
+    trainer = GRPOTrainer(model=model, reward_funcs=reverse_text_reward, args=config,
+                          train_dataset=datasets.Dataset.from_list(spec["prompts"]), processing_class=tokenizer,
+                          callbacks=[ExportAndClock()])
+    trainer.train()
+    if len(ticks) != spec["steps"]:
+        raise RuntimeError(f"TRL ran {len(ticks)} optimizer steps, expected {spec['steps']}")
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    clip = [h[k] for h in logs for k in h if k.startswith("clip_ratio/region_mean")]
+    spans = [b - a for a, b in zip(ticks, ticks[1:])]
+    with open(spec["out"], "w") as f:
+        json.dump({"step_s": sum(spans) / max(len(spans), 1),
+                   "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+                   "clip_fraction": statistics.mean(clip) if clip else None}, f)
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])
