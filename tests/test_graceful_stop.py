@@ -147,6 +147,7 @@ def test_sigterm_during_a_grpo_weight_sync_saves_before_servers_and_evaluator_st
         return ["fit", "--config", config, "--model.init_args.model", str(vllm_server.model_dir),
                 "--data.init_args.env.init_args.path", data, "--data.init_args.batch_size", "8",
                 "--data.init_args.group_size", "4", "--data.init_args.max_tokens", "12",
+                "--data.init_args.max_staleness", "1",  # rollouts in flight while the weights sync
                 "--trainer.default_root_dir", str(root), "--trainer.max_steps", str(steps), *extra]
 
     proc = start(args(STEPS))

@@ -2,7 +2,7 @@
 # GRPO demo on CPU: a short SFT run leaves the reverse-text model clearly imperfect, then GRPO
 # with a real vLLM server (started by lit-rl) raises its held-out reward.
 #   bash examples/reverse_text/run_grpo_demo.sh [extra lit-rl fit flags for the GRPO run]
-# e.g. --data.init_args.max_staleness 0 --seed_everything 1
+# e.g. --data.init_args.max_staleness 1 --seed_everything 1
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
