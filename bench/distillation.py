@@ -80,6 +80,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
 import trl_grpo  # noqa: E402
 from _common import REPO  # noqa: E402
+from trl_child import export_and_clock, read_spec, run_child, write_speed  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO, "examples", "reverse_text"))
 from exact_match import score  # noqa: E402
@@ -337,47 +338,19 @@ def train_trl(args, root: str, seed: int | None = None) -> tuple[float, dict]:
             "lr": optimizer["init_args"]["lr"], "batch": data["batch_size"], "max_tokens": data["max_tokens"],
             "prompts": os.path.join(REPO, data["env"]["init_args"]["path"]), "seed": example.get("seed_everything", 0) if seed is None else seed,
             "out": os.path.join(root, "trl_result.json")}
-    spec_path = os.path.join(root, "trl_spec.json")
-    with open(spec_path, "w") as f:
-        json.dump(spec, f)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    started = time.perf_counter()
-    with open(root + ".log", "w") as log:
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--trl-worker", spec_path], cwd=REPO,
-                              stdout=log, stderr=subprocess.STDOUT, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"trl failed (exit {proc.returncode}); see {root}.log")
-    with open(spec["out"]) as f:
-        return time.perf_counter() - started, json.load(f)
+    return run_child([os.path.abspath(__file__), "--trl-worker"], spec, root, "trl")
 
 
 def trl_worker(spec_path: str) -> None:
-    import resource
-    import warnings
-
-    warnings.filterwarnings("ignore")
+    spec = read_spec(spec_path)
     import datasets
-    import transformers
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import DistillationConfig, DistillationTrainer
 
-    transformers.logging.set_verbosity_error()
-    datasets.disable_progress_bars()
-    with open(spec_path) as f:
-        spec = json.load(f)
     with open(spec["prompts"]) as f:
         rows = [{"prompt": json.loads(line)["messages"][:1]} for line in f]
     tokenizer = AutoTokenizer.from_pretrained(spec["student"])
     ticks: list[float] = []
-
-    class ExportAndClock(TrainerCallback):
-        def on_step_end(self, args_, state, control, model=None, **kwargs):
-            ticks.append(time.perf_counter())
-            if state.global_step % spec["every"] == 0 or state.global_step == spec["steps"]:
-                out = os.path.join(spec["root"], "weights", f"step_{state.global_step}")
-                model.save_pretrained(out)
-                tokenizer.save_pretrained(out)
-                open(os.path.join(out, "STABLE"), "w").close()
 
     micro = 16
     config = DistillationConfig(
@@ -391,14 +364,9 @@ def trl_worker(spec_path: str) -> None:
     )
     trainer = DistillationTrainer(model=spec["student"], teacher_model=spec["teacher"], args=config,
                                   train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
-                                  callbacks=[ExportAndClock()])
+                                  callbacks=[export_and_clock(spec, tokenizer, ticks)])
     trainer.train()
-    if len(ticks) != spec["steps"]:
-        raise RuntimeError(f"TRL ran {len(ticks)} optimizer steps, expected {spec['steps']}")
-    spans = [b - a for a, b in zip(ticks, ticks[1:])]
-    with open(spec["out"], "w") as f:
-        json.dump({"step_s": sum(spans) / max(len(spans), 1),
-                   "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}, f)
+    write_speed(spec, ticks)
 
 
 if __name__ == "__main__":

@@ -15,17 +15,15 @@ its samples are exactly on-policy (lit-rl's come from a vLLM server up to one st
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
-import subprocess
 import sys
-import time
 
 import yaml
 
 from _common import REPO
+from trl_child import export_and_clock, read_spec, run_child, write_speed
 
 GRPO_CONFIG = os.path.join(REPO, "examples", "reverse_text", "grpo.yaml")
 MICRO = 16
@@ -85,56 +83,28 @@ def train_trl_grpo(args, method: str, root: str) -> tuple[float, dict]:
             "seed": example.get("seed_everything", 0) if mods["seed"] is None else mods["seed"],
             "num_iterations": mods["num_iterations"], "temperature": mods["temperature"],
             "out": os.path.join(root, "trl_result.json")}
-    spec_path = os.path.join(root, "trl_spec.json")
-    with open(spec_path, "w") as f:
-        json.dump(spec, f)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    started = time.perf_counter()
-    with open(root + ".log", "w") as log:
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), spec_path], cwd=REPO,
-                              stdout=log, stderr=subprocess.STDOUT, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{method} failed (exit {proc.returncode}); see {root}.log")
-    with open(spec["out"]) as f:
-        result = json.load(f)
+    wall, result = run_child([os.path.abspath(__file__)], spec, root, method)
     with open(root + ".log") as f:  # TRL prints every step's logs: the clip fraction of each
         clip = [float(v) for v in re.findall(r"'clip_ratio/region_mean': '?([0-9.e-]+)'?", f.read())]
     result["clip_fraction"] = sum(clip) / len(clip) if clip else None
-    return time.perf_counter() - started, result
+    return wall, result
 
 
 def worker(spec_path: str) -> None:
-    import resource
-    import warnings
-
-    warnings.filterwarnings("ignore")
+    spec = read_spec(spec_path)
     import datasets
     import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from lit_rl.rollouts.envs import lcs_ratio
 
-    transformers.logging.set_verbosity_error()
-    datasets.disable_progress_bars()
-    with open(spec_path) as f:
-        spec = json.load(f)
     tokenizer = AutoTokenizer.from_pretrained(spec["student"])
     ticks: list[float] = []
 
     def reverse_text_reward(prompts, completions, text, **kwargs):
         """ReverseTextEnv.reward: LCS ratio of the stripped completion against the reversed text."""
         return [lcs_ratio(c[0]["content"].strip(), t[::-1]) for c, t in zip(completions, text)]
-
-    class ExportAndClock(TrainerCallback):
-        def on_step_end(self, args_, state, control, model=None, **kwargs):
-            ticks.append(time.perf_counter())
-            if state.global_step % spec["every"] == 0 or state.global_step == spec["steps"]:
-                out = os.path.join(spec["root"], "weights", f"step_{state.global_step}")
-                model.save_pretrained(out)
-                tokenizer.save_pretrained(out)
-                open(os.path.join(out, "STABLE"), "w").close()
 
     config = GRPOConfig(
         output_dir=os.path.join(spec["root"], "trl_out"), use_cpu=True, use_vllm=False, bf16=False, fp16=False,
@@ -152,15 +122,9 @@ def worker(spec_path: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(spec["student"], dtype=torch.float32, attn_implementation="sdpa")
     trainer = GRPOTrainer(model=model, reward_funcs=reverse_text_reward, args=config,
                           train_dataset=datasets.Dataset.from_list(spec["prompts"]), processing_class=tokenizer,
-                          callbacks=[ExportAndClock()])
+                          callbacks=[export_and_clock(spec, tokenizer, ticks)])
     trainer.train()
-    if len(ticks) != spec["steps"]:
-        raise RuntimeError(f"TRL ran {len(ticks)} optimizer steps, expected {spec['steps']}")
-    spans = [b - a for a, b in zip(ticks, ticks[1:])]
-    with open(spec["out"], "w") as f:
-        json.dump({"step_s": sum(spans) / max(len(spans), 1),
-                   "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}, f)
-
+    write_speed(spec, ticks)
 
 if __name__ == "__main__":
     worker(sys.argv[1])
