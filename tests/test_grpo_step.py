@@ -242,7 +242,7 @@ class HeldUpdates(L.LightningDataModule):
 
     def train_dataloader(self):
         step = self.held.step or self.held.hold(build_step(self.held.payload["samples"], **self.layout), 0, 1)
-        return torch.utils.data.DataLoader([{**step, "update": u} for u in range(self.start, self.updates)],
+        return torch.utils.data.DataLoader([step] * (self.updates - self.start),
                                            batch_size=None, collate_fn=lambda x: x)
 
 

@@ -363,7 +363,7 @@ class RolloutDataModule(L.LightningDataModule):
                 step = held.hold(step, trainer.global_rank, trainer.world_size)
         stats = {**step["stats"], **rollout_stats(samples, payload["staleness"]),
                  "data_wait_s": time.perf_counter() - wait_start}
-        step = {**step, "update": update, "stats": stats, "metrics": payload["metrics"]}
+        step = {**step, "stats": stats, "metrics": payload["metrics"]}
         if not update and self.progress_every and trainer.global_step % self.progress_every == 0:
             rank_zero_info(f"step {trainer.global_step}: {payload['progress']}")
         return step

@@ -330,7 +330,7 @@ class StalenessScheduler:
         """Last batch a group spawned at `version` may join, capped at the run's last batch
         (a slot past the end is no slot); None when there is no limit. The deadline used
         for throttling."""
-        bounds = [(version + self.max_staleness) // self.updates_per_batch] if self.max_staleness is not None else []
+        bounds = [self._newest_batch(version)] if self.max_staleness is not None else []
         if self.num_batches is not None:
             bounds.append(self.num_batches - 1)
         return min(bounds, default=None)
@@ -338,7 +338,11 @@ class StalenessScheduler:
     def _expired(self, version: int) -> bool:
         """True when a group spawned at `version` is too old for the next batch (and so
         for every later one)."""
-        return self.max_staleness is not None and (version + self.max_staleness) // self.updates_per_batch < self._next_batch
+        return self.max_staleness is not None and self._newest_batch(version) < self._next_batch
+
+    def _newest_batch(self, version: int) -> int:
+        """The last batch whose first step is within `max_staleness` of `version` (set)."""
+        return (version + self.max_staleness) // self.updates_per_batch
 
     def _choose(self) -> list[int] | None:
         """Indices into the ready list for the next batch, in completion order, or None.
