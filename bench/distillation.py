@@ -39,7 +39,8 @@ default since 2026-12-04), `noclip` does not, `warmup10`
 warms the lr up linearly over 10 steps (transformers' constant_with_warmup). For `grpo`: `upb2`
 sets `updates_per_batch` 2 (TRL's `num_iterations`), `t07` samples at temperature 0.7,
 `scalebatch` / `scalenone` divide the advantage by the batch's reward std / by nothing (the
-default divides by the group's), `lr1e4` trains at lr 1e-4 (AdamW, no weight decay). Any method, `trl`
+default divides by the group's), `lr1e4` trains at lr 1e-4 (AdamW, no weight decay),
+`cos` decays the lr by a cosine to 0.1x over the run, `wcos` warms it up over 4 steps first. Any method, `trl`
 too, may carry `seedN` (`trl+seed1`): the run's seed (default: opd.yaml's `seed_everything`), to
 see how far two runs of one setting differ.
 
@@ -117,7 +118,11 @@ MODIFIERS = {"group1": ["--data.init_args.group_size", "1"], "fresh": ["--data.i
                  "lr": 1e-4, "weight_decay": 0.0}})],
              "clip1": ["--model.init_args.advantage_clip", "1.0"], "noclip": ["--model.init_args.advantage_clip", "null"],
              "warmup10": ["--model.init_args.lr_scheduler", json.dumps({"class_path": "lit_rl.optim.LRSchedule", "init_args": {
-                 "name": "constant_with_warmup", "warmup_steps": 10}})]}
+                 "name": "constant_with_warmup", "warmup_steps": 10}})],
+             "cos": ["--model.init_args.lr_scheduler", json.dumps({"class_path": "lit_rl.optim.LRSchedule", "init_args": {
+                 "name": "cosine_with_min_lr", "warmup_steps": 0, "scheduler_kwargs": {"min_lr_rate": 0.1}}})],
+             "wcos": ["--model.init_args.lr_scheduler", json.dumps({"class_path": "lit_rl.optim.LRSchedule", "init_args": {
+                 "name": "cosine_with_min_lr", "warmup_steps": 4, "scheduler_kwargs": {"min_lr_rate": 0.1}}})]}
 
 
 def base_method(method: str) -> str:

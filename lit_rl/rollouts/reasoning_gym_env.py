@@ -1,0 +1,78 @@
+"""ReasoningGymEnv: any of reasoning-gym's procedural datasets, scored by the dataset's own `score_answer`.
+
+    env:
+      class_path: lit_rl.rollouts.ReasoningGymEnv
+      init_args: {dataset: spell_backward, size: 2000, task_seed: 0, config: {max_word_len: 6}}
+
+reasoning-gym generates tasks from a seed (`create_dataset(name, size=..., seed=..., **config)`),
+so every process that builds the environment from the same arguments (trainer, evaluator) lists
+the same tasks, and another `task_seed` gives held-out ones. The completion's answer is what
+the model wrote inside ``<answer>...</answer>`` (reasoning-gym's `extract_answer`, the format
+its system prompts ask for), or the whole stripped completion with ``answer_tag: null``.
+Needs the optional `reasoning-gym` package (``pip install 'lit-rl[envs]'``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lit_rl.rewards.extras import require
+from lit_rl.rollouts.envs import Environment
+
+
+class ReasoningGymEnv(Environment):
+    """Tasks from a reasoning-gym dataset by name; reward: its `score_answer` of the extracted answer."""
+
+    default_name = "reasoning_gym"
+
+    def __init__(self, dataset: str, size: int = 1000, task_seed: int = 0, config: dict[str, Any] | None = None,
+                 system_prompt: str | None = "default", answer_tag: str | None = "answer", **kwargs):
+        """
+        Args:
+            dataset: a reasoning-gym dataset name (``spell_backward``, ``basic_arithmetic``, ...).
+            size: how many tasks to generate.
+            task_seed: the generator's seed (``seed`` is the eval sampling seed); another seed
+                gives other tasks, e.g. held-out ones for evals.
+            config: the dataset's own options (its ``...Config`` fields, e.g. ``max_word_len``).
+            system_prompt: a key of reasoning-gym's ``SYSTEM_PROMPTS`` (``default``, ``simple``,
+                ``direct``, ...), a system prompt of your own, or None for none.
+            answer_tag: the tag whose last occurrence holds the answer; None: the whole completion.
+        """
+        require("reasoning_gym", "ReasoningGymEnv")
+        super().__init__(**kwargs)
+        import reasoning_gym
+        from reasoning_gym.factory import DATASETS
+
+        if dataset not in DATASETS:
+            close = sorted(n for n in DATASETS if dataset.split("_")[0] in n)[:8]
+            raise ValueError(f"ReasoningGymEnv: no reasoning-gym dataset {dataset!r}"
+                             + (f" (similar: {close})" if close else f" ({len(DATASETS)} exist, e.g. {sorted(DATASETS)[:5]})"))
+        self.dataset, self.size, self.task_seed, self.config = dataset, size, task_seed, config
+        self.system_prompt, self.answer_tag = system_prompt, answer_tag
+        try:
+            self._data = reasoning_gym.create_dataset(dataset, size=size, seed=task_seed, **(config or {}))
+        except (TypeError, ValueError, AssertionError) as e:
+            raise ValueError(f"ReasoningGymEnv: {dataset} with size={size}, config={config}: {e}") from e
+        from reasoning_gym.utils import SYSTEM_PROMPTS
+
+        self._system = SYSTEM_PROMPTS.get(system_prompt, system_prompt) if system_prompt else None
+
+    def load_tasks(self) -> list[dict]:
+        tasks = []
+        for i, entry in enumerate(self._data):
+            prompt = [{"role": "user", "content": entry["question"]}]
+            if self._system:
+                prompt.insert(0, {"role": "system", "content": self._system})
+            tasks.append({"id": str(i), "prompt": prompt, "entry": entry})
+        return tasks
+
+    def answer(self, completion: str) -> str | None:
+        """The answer part of a completion (None when the tag is missing: scored as no answer)."""
+        if self.answer_tag is None:
+            return completion.strip()
+        from reasoning_gym.utils import extract_answer
+
+        return extract_answer(completion, tag_name=self.answer_tag)
+
+    def reward(self, completion: str, task: dict) -> float:
+        return float(self._data.score_answer(self.answer(completion), task["entry"]))

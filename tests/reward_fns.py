@@ -1,0 +1,52 @@
+"""Reward functions the DatasetEnv tests name by import path (`reward_fns.<name>`), as a user's
+config names theirs: TRL's signature and lit-rl's per-sample form, sync and async, plus broken ones.
+Each records what it was given in `CALLS`, so a test can check the arguments."""
+
+from __future__ import annotations
+
+import asyncio
+
+CALLS: list[dict] = []
+
+
+def longer_is_better(prompts, completions, level, completion_ids, **columns):
+    """TRL's signature, sync: the number of sampled tokens / 10, times the row's `level`."""
+    CALLS.append({"fn": "longer_is_better", "prompts": prompts, "completions": completions, "level": level,
+                  "completion_ids": completion_ids, "columns": sorted(columns)})
+    return [len(ids) / 10 * lv for ids, lv in zip(completion_ids, level)]
+
+
+async def mentions_answer(completion, task):
+    """lit-rl's per-sample form, async: 1.0 when the row's answer is in the completion."""
+    await asyncio.sleep(0)
+    CALLS.append({"fn": "mentions_answer", "completion": completion, "row": task["row"]})
+    return float(str(task["row"]["answer"]) in completion)
+
+
+def only_level_two(prompts, completions, level, **columns):
+    """None (does not apply) except on rows of level 2."""
+    return [1.0 if lv == 2 else None for lv in level]
+
+
+def fails_on_row_one(prompts, completions, task_ids, **columns):
+    """Raises on the task whose row is 1; 0.5 elsewhere."""
+    if "1" in task_ids:
+        raise RuntimeError("the grader is down for row 1")
+    return [0.5] * len(completions)
+
+
+def one_value_short(prompts, completions, **columns):
+    return [0.0] * (len(completions) - 1)
+
+
+def not_a_number(prompts, completions, **columns):
+    return [float("nan")] * len(completions)
+
+
+def no_completions_argument(prompt, answer):
+    return 1.0
+
+
+def not_skipped(row) -> bool:
+    """A row filter: rows whose prompt says "skip" are left out."""
+    return "skip" not in row["prompt"]

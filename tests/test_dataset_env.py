@@ -1,0 +1,267 @@
+"""DatasetEnv and the built-in rewards: a dataset plus reward functions named in the config.
+
+The rewards are checked on real strings, including the cases math-verify exists for; the
+environment reads real files through `datasets`; rollouts, evals and the buffer's reject rules
+run against the session's real vLLM server (tiny random model: its completions are gibberish, so
+the checks compare each reward with what its function computes from the sampled ids).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import datasets
+import pytest
+import reward_fns
+from helpers import TINY_MODEL, write_jsonl
+from transformers import AutoTokenizer
+
+from lit_rl.data.rollout_traces import rollout_stats
+from lit_rl.data.samples import Sample
+from lit_rl.inference.client import chat_prompt_ids
+from lit_rl.rewards import exact_match, length_penalty, math_verify, normalize_answer, regex_match
+from lit_rl.rollouts import DatasetEnv, RolloutContext, TrainSampling
+from lit_rl.rollouts.buffer import RolloutBuffer
+from lit_rl.rollouts.envs import EvalRun
+from lit_rl.rollouts.reward_functions import RewardFunction, RewardFunctionError
+
+TOK = AutoTokenizer.from_pretrained(TINY_MODEL)
+ROWS = [{"question": "What is 1/2 + 1/4?", "answer": "\\frac{3}{4}", "level": 1},
+        {"question": "What is 2 + 2?", "answer": "4", "level": 2},
+        {"question": "Name the third planet.", "answer": "Earth", "level": 3},
+        {"question": "What is 10 * 100?", "answer": "1000", "level": 1}]
+TWO_REWARDS = [{"function": "reward_fns.longer_is_better", "weight": 0.5},
+               {"function": "reward_fns.mentions_answer", "weight": 2.0, "name": "mentions"}]
+
+
+def env_of(tmp_path, rows=ROWS, rewards=TWO_REWARDS, **kwargs) -> DatasetEnv:
+    return DatasetEnv(write_jsonl(tmp_path / "rows.jsonl", rows), rewards, prompt_column="question", **kwargs)
+
+
+# ---- built-in rewards on real strings --------------------------------------------------------------
+
+def test_math_verify_accepts_equal_answers_that_strings_miss():
+    golds = ["\\frac{3}{4}", "0.5", "\\frac{1}{2}", "x^2 + 1", "1000", "4", "\\sqrt{2}", "12"]
+    answers = ["So the sum is $\\boxed{\\frac{3}{4}}$.", "The answer is \\boxed{\\frac{1}{2}}",
+               "It is $0.5$", "We get $1 + x^2$", "\\boxed{1,000}", "I think it is \\boxed{5}",
+               "\\boxed{2^{1/2}}", "maybe 13"]
+    got = asyncio.run(math_verify(["q"] * len(golds), answers, answer=golds))
+    assert got == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0]
+    assert [exact_match(["q"], [a], answer=[g])[0] for g, a in zip(golds, answers)][:4] == [1.0, 0.0, 0.0, 0.0]
+    # TRL's conversational completions; a gold answer that does not parse gives None (does not apply)
+    conv = [[{"role": "assistant", "content": "$\\boxed{\\frac{6}{8}}$"}], [{"role": "assistant", "content": "3/4"}]]
+    assert asyncio.run(math_verify(["q", "q"], conv, answer_column="solution", solution=["3/4", "\\frac{"])) == [1.0, None]
+
+
+def test_exact_match_normalises_case_spacing_punctuation_and_boxes():
+    assert normalize_answer("The answer is $1,000$.") == normalize_answer("answer is 1000") == "answer is 1000"
+    cases = [("Earth", "earth."), ("Earth", "\\boxed{EARTH}"), ("-3.5", "  -3.5 "), ("Earth", "Mars"),
+             ("Earth", "Answer: the Earth"), ("1/2", "\\boxed{1/2}"), ("42", "42 apples")]
+    got = exact_match(["q"] * len(cases), [a for _, a in cases], answer=[g for g, _ in cases])
+    assert got == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
+    assert exact_match(["q"], ["Work...\nAnswer: the Earth"], answer=["Earth"], answer_pattern=r"Answer:\s*(.+)") == [1.0]
+    assert exact_match(["q"], ["\\boxed{\\frac{1}{2}} then"], answer=["\\frac{1}{2}"]) == [1.0]  # nested braces
+
+
+def test_regex_match_is_a_format_reward():
+    pattern = r"<think>.*</think>\s*<answer>.*</answer>"
+    texts = ["<think>a\nb</think> <answer>4</answer>", "<answer>4</answer>", "x <think>a</think><answer>4</answer>"]
+    assert regex_match(["q"] * 3, texts, pattern=pattern) == [1.0, 0.0, 1.0]
+    assert regex_match(["q"] * 3, texts, pattern=pattern, full=True) == [1.0, 0.0, 0.0]
+    assert regex_match(["q"], ["ANSWER"], pattern="answer", ignore_case=True) == [1.0]
+
+
+def test_length_penalty_is_dapos_soft_overlong_penalty():
+    ids = [[0] * n for n in (10, 12, 14, 16, 17, 30)]
+    # free up to 16 - 4 = 12 tokens, then (12 - n) / 4, and -1 from 16 on
+    assert length_penalty(["q"] * 6, ["x"] * 6, ids, max_length=16, buffer_length=4) == [0.0, 0.0, -0.5, -1.0, -1.0, -1.0]
+    with pytest.raises(ValueError, match="buffer_length"):
+        RewardFunction("lit_rl.rewards.length_penalty", kwargs={"max_length": 8, "buffer_length": 9})
+
+
+# ---- reading the dataset ---------------------------------------------------------------------------
+
+def test_rows_become_tasks_from_strings_or_messages_with_system_prompt_filter_and_tools(tmp_path):
+    tool = {"type": "function", "function": {"name": "calc", "description": "adds", "parameters": {"type": "object"}}}
+    rows = [{"prompt": "hi", "answer": "1", "tools": json.dumps([tool])},
+            {"prompt": "skip me", "answer": "2", "tools": "[]"},
+            {"prompt": "bye", "answer": "3", "tools": "[]"}]
+    env = DatasetEnv(write_jsonl(tmp_path / "s.jsonl", rows), ["lit_rl.rewards.exact_match"],
+                     system_prompt="Be brief.", tools_column="tools", filter="reward_fns.not_skipped")
+    tasks = env.tasks()
+    assert [t["id"] for t in tasks] == ["0", "2"]  # ids are the dataset's row numbers
+    assert tasks[0]["prompt"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert env.tools(tasks[0]) == [tool] and env.tools(tasks[1]) == []
+    # chat messages (a parquet file), a system turn of their own kept, and the first N rows
+    chats = [{"prompt": [{"role": "system", "content": "Own."}, {"role": "user", "content": f"q{i}"}], "answer": str(i)}
+             for i in range(3)]
+    path = tmp_path / "c.parquet"
+    datasets.Dataset.from_list(chats).to_parquet(str(path))
+    env = DatasetEnv(str(path), ["lit_rl.rewards.exact_match"], system_prompt="Be brief.", num_examples=2)
+    assert [t["prompt"] for t in env.tasks()] == [c["prompt"] for c in chats[:2]]
+    # a saved dataset dictionary, by split
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(saved))
+    env = DatasetEnv(str(saved), ["lit_rl.rewards.exact_match"], prompt_column="question", split="test")
+    assert [t["row"]["answer"] for t in env.tasks()] == [r["answer"] for r in ROWS]
+    # the evaluator rebuilds the same environment from its config
+    again = DatasetEnv(**env.to_config()["init_args"])
+    assert again.tasks() == env.tasks()
+
+
+def test_bad_input_is_one_error_naming_the_column_row_or_function(tmp_path):
+    with pytest.raises(ValueError, match=r"no column 'prompt' \(for prompt_column\), 'solution' \(for reward "
+                                         r"'exact_match'\); its columns: \['question', 'answer', 'level'\]"):
+        DatasetEnv(write_jsonl(tmp_path / "a.jsonl", ROWS),
+                   [{"function": "lit_rl.rewards.exact_match", "kwargs": {"answer_column": "solution"}}]).tasks()
+    with pytest.raises(ValueError, match="row 1 of .*column 'question': expected a string or chat messages"):
+        DatasetEnv(write_jsonl(tmp_path / "b.jsonl", [{"question": "fine"}, {"question": ""}, {"question": "x"}]),
+                   [{"function": "lit_rl.rewards.regex_match", "kwargs": {"pattern": "x"}}], prompt_column="question").tasks()
+    with pytest.raises(ValueError, match=r"rewards\[0\]: cannot import module 'no_such_module'"):
+        env_of(tmp_path, rewards=["no_such_module.fn"]).tasks()
+    with pytest.raises(ValueError, match=r"rewards\[1\]: no_completions_argument takes \(prompt, answer\)"):
+        env_of(tmp_path, rewards=["lit_rl.rewards.exact_match", "reward_fns.no_completions_argument"]).tasks()
+    with pytest.raises(ValueError, match=r"two functions are named \['exact_match'\]"):
+        env_of(tmp_path, rewards=["lit_rl.rewards.exact_match", {"function": "lit_rl.rewards.exact_match"}]).tasks()
+    with pytest.raises(ValueError, match=r"regex_match needs kwargs: \{pattern: <a regular expression>\}"):
+        env_of(tmp_path, rewards=["lit_rl.rewards.regex_match"]).tasks()
+    with pytest.raises(ValueError, match=r"regex_match: pattern '\(' is not a regular expression"):
+        env_of(tmp_path, rewards=[{"function": "lit_rl.rewards.regex_match", "kwargs": {"pattern": "("}}]).tasks()
+    with pytest.raises(ValueError, match=r"rewards\[0\]: unknown keys \['weights'\]"):
+        env_of(tmp_path, rewards=[{"function": "lit_rl.rewards.exact_match", "weights": 2}]).tasks()
+
+
+@pytest.mark.parametrize("function, message", [
+    ("reward_fns.fails_on_row_one", r"'fails_on_row_one' raised on row 1: RuntimeError\('the grader is down for row 1'\)"),
+    ("reward_fns.one_value_short", r"'one_value_short' on row 1: returned 2 values for 3 completions"),
+    ("reward_fns.not_a_number", r"'not_a_number' on row 1: value 0 is nan"),
+    ("reward_fns.only_level_two", r"row 0, completion 0: every reward function returned None \(only_level_two\)"),
+])
+def test_a_reward_function_that_fails_names_itself_and_the_row(tmp_path, function, message):
+    env = env_of(tmp_path, rewards=[function])
+    task = env.tasks()[0 if "level_two" in function else 1]
+    with pytest.raises(RewardFunctionError, match=message):
+        asyncio.run(env.score_group(["a", "b", "c"], task, [[1], [2], [3]]))
+
+
+def test_each_reward_is_logged_beside_the_sum():
+    def sample(reward, parts):
+        return Sample(input_ids=[1, 2], loss_mask=[False, True], advantages=[0.0, 0.0], reward=reward,
+                      metadata={"rewards": parts})
+    stats = rollout_stats([sample(1.5, {"a": 1.0, "b": 0.5}), sample(0.2, {"a": None, "b": 0.2})], [0, 0])
+    assert stats["reward"] == pytest.approx(0.85)
+    assert stats["reward/a"] == 1.0 and stats["reward/b"] == pytest.approx(0.35)  # None: left out of a's mean
+
+
+# ---- against the real server -----------------------------------------------------------------------
+
+def test_rollout_and_eval_score_the_sampled_ids_with_every_function(vllm_server, tmp_path):
+    env = env_of(tmp_path, system_prompt="Answer.", max_tokens=12)
+    task = env.tasks()[2]
+    reward_fns.CALLS.clear()
+
+    async def run():
+        async with vllm_server.client() as client:
+            ctx = RolloutContext(client=client, tokenizer=TOK, sampling=TrainSampling(max_tokens=12), group_size=3,
+                                 policy_version=0)
+            group = await env.rollout(task, ctx)
+            metrics = await env.evaluate(EvalRun(step=0, step_dir=vllm_server.model_dir, client=client))
+            return group, metrics
+
+    group, metrics = asyncio.run(run())
+    prompt = chat_prompt_ids(TOK, [{"role": "system", "content": "Answer."}, {"role": "user", "content": ROWS[2]["question"]}])
+    ids = [s.input_ids[len(prompt):] for s in group.samples]
+    texts = [TOK.decode(i, skip_special_tokens=True) for i in ids]
+    assert all(s.input_ids[:len(prompt)] == prompt for s in group.samples)
+    trl_call = next(c for c in reward_fns.CALLS if c["fn"] == "longer_is_better")
+    assert trl_call["prompts"] == [ROWS[2]["question"]] * 3 and trl_call["completions"] == texts  # text prompts: text
+    assert trl_call["completion_ids"] == ids and trl_call["level"] == [3] * 3
+    assert trl_call["columns"] == ["answer", "task_ids"]
+    for s, i, text in zip(group.samples, ids, texts):
+        parts = {"longer_is_better": len(i) / 10 * 3, "mentions": float("Earth" in text)}
+        assert s.metadata["rewards"] == pytest.approx(parts)
+        assert s.reward == pytest.approx(0.5 * parts["longer_is_better"] + 2.0 * parts["mentions"])
+    # the eval of every row (greedy, one sample each) reports each function beside the sum
+    assert set(metrics) >= {"reward", "reward/longer_is_better", "reward/mentions"}
+    evals = [c for c in reward_fns.CALLS if c["fn"] == "longer_is_better"][1:]
+    longer = [len(i) / 10 * lv for c in evals for i, lv in zip(c["completion_ids"], c["level"])]
+    assert len(evals) == len(ROWS) and metrics["reward/longer_is_better"] == pytest.approx(sum(longer) / len(longer))
+    assert metrics["reward"] == pytest.approx(0.5 * metrics["reward/longer_is_better"] + 2.0 * metrics["reward/mentions"], rel=1e-6)
+
+
+def test_a_failing_reward_function_rejects_its_row_under_the_buffers_rules(vllm_server, tmp_path):
+    rows = [{"question": f"Say {i}.", "answer": str(i), "level": 1} for i in range(6)]
+    env = env_of(tmp_path, rows=rows, rewards=["reward_fns.fails_on_row_one", "lit_rl.rewards.exact_match"])
+    buffer = RolloutBuffer(env, vllm_server.client, TOK, TrainSampling(max_tokens=4), batch_size=4, group_size=2,
+                           max_concurrency=8, num_batches=4, num_retries=1, retry_backoff=0.01)
+
+    async def collect():
+        async with buffer:
+            return [b async for b in buffer]
+
+    batches = asyncio.run(collect())
+    trained = [s.metadata["task_id"] for b in batches for s in b]
+    assert len(trained) == 16 and "1" not in trained
+    assert buffer.metrics()["rollout/rejected"] >= 1 and buffer.counters["retries"] >= 1
+    assert all(s.metadata["rewards"]["fails_on_row_one"] == 0.5 for b in batches for s in b)
+
+
+# ---- reasoning-gym ---------------------------------------------------------------------------------
+
+def test_reasoning_gym_tasks_repeat_from_the_seed_and_score_with_the_datasets_own_scorer():
+    from lit_rl.rollouts import ReasoningGymEnv
+
+    env = ReasoningGymEnv("spell_backward", size=6, task_seed=3, config={"max_word_len": 6})
+    again = ReasoningGymEnv(**env.to_config()["init_args"])  # what the evaluator process builds
+    assert again.tasks() == env.tasks()
+    other = ReasoningGymEnv("spell_backward", size=6, task_seed=4, config={"max_word_len": 6})
+    assert [t["entry"]["question"] for t in other.tasks()] != [t["entry"]["question"] for t in env.tasks()]
+    task = env.tasks()[0]
+    word = task["entry"]["metadata"]["word"]
+    assert task["prompt"][0]["role"] == "system" and "<answer>" in task["prompt"][0]["content"]
+    assert task["prompt"][1]["content"].endswith(word) and 3 <= len(word) <= 6
+    assert env.reward(f"Reversed: <answer>{word[::-1]}</answer>", task) == 1.0
+    assert env.reward(word[::-1], task) == 0.0  # no answer tag: no answer
+    assert env.reward(f"<answer>{word[::-1][:-1]}x</answer>", task) == pytest.approx((len(word) - 1) / len(word))
+    plain = ReasoningGymEnv("spell_backward", size=6, task_seed=3, config={"max_word_len": 6}, system_prompt=None,
+                            answer_tag=None)
+    assert plain.tasks()[0]["prompt"] == task["prompt"][1:] and plain.reward(f" {word[::-1]}\n", task) == 1.0
+    with pytest.raises(ValueError, match=r"no reasoning-gym dataset 'spell_backwards' \(similar: \['spell_backward'\]\)"):
+        ReasoningGymEnv("spell_backwards")
+    with pytest.raises(ValueError, match="spell_backward with size=1000, config={'max_len': 3}: .*unexpected keyword"):
+        ReasoningGymEnv("spell_backward", config={"max_len": 3})
+
+
+def test_a_missing_extra_is_one_message_naming_it(monkeypatch, tmp_path):
+    """Without math-verify (hidden from the import system here), naming its reward says what to install."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+    with pytest.raises(ImportError, match=r"rewards\[0\]: lit_rl.rewards.math_verify needs the 'math-verify' package: "
+                                          r"pip install 'lit-rl\[envs\]'"):
+        env_of(tmp_path, rewards=["lit_rl.rewards.math_verify"]).tasks()
+
+
+def test_the_yaml_in_docs_environments_builds_and_scores(tmp_path):
+    """docs/environments.md's copy-paste YAML (on a jsonl of its row format) and its reasoning-gym block."""
+    import re
+
+    import yaml
+    from helpers import REPO
+
+    from lit_rl.rollouts import ReasoningGymEnv
+
+    blocks = [yaml.safe_load(b) for b in re.findall(r"^```yaml\n(.*?)^```", (REPO / "docs/environments.md").read_text(),
+                                                      flags=re.S | re.M)]
+    env_args = blocks[0]["data"]["init_args"]["env"]["init_args"]
+    rows = [{"question": "What is 1/2 + 1/4?", "answer": "\\frac{3}{4}"}]
+    env = DatasetEnv(**{**env_args, "path": write_jsonl(tmp_path / "math.jsonl", rows)})
+    task = env.tasks()[0]
+    assert task["prompt"][0] == {"role": "system", "content": env_args["system_prompt"]}
+    total, parts = asyncio.run(env.score_group(["so \\boxed{0.75}", "3/5"], task, [[0] * 10, [0] * 1000]))
+    assert parts == {"math_verify": [1.0, 0.0], "length_penalty": [0.0, pytest.approx(-232 / 256)]}
+    assert total == [1.0, pytest.approx(0.1 * -232 / 256)]
+    gym = ReasoningGymEnv(**blocks[1]["env"]["init_args"])
+    assert len(gym.tasks()) == 2000 and all(3 <= len(t["entry"]["metadata"]["word"]) <= 6 for t in gym.tasks())
