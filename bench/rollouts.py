@@ -21,6 +21,14 @@ flight (= concurrency / group_size requests of n=group_size).
               semaphore of concurrency / group_size requests; only the completion tokens are
               counted from each answer.
 
+Another environment (``--contenders``, added to the two above; the same target):
+
+  lit_rl_dataset  the lit_rl run over a DatasetEnv of the same prompts (a jsonl of the tasks' texts
+                  and their reversals, written beforehand) with two reward functions: the
+                  built-in exact_match (answer column) and length_penalty (weight 0.1), each
+                  called once per group in TRL's signature. What the YAML-only way to bring a
+                  dataset and rewards costs against the built-in environment.
+
 Diagnostics (``--contenders``, added to the two above), the steps in between:
 
   client_gather  raw_gather through lit-rl's InferenceClient.generate (answers parsed into
@@ -47,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import statistics
@@ -63,6 +72,7 @@ from _common import (  # noqa: E402
 TARGET = 0.9
 CONTENDERS = ("lit_rl", "raw_gather")
 DIAGNOSTICS = ("client_gather", "env_gather")  # --contenders: where between the two the time goes
+OTHER_ENVS = ("lit_rl_dataset",)  # --contenders: the buffer over another environment, same target
 
 
 def parse_args(argv=None):
@@ -81,7 +91,8 @@ def parse_args(argv=None):
     p.add_argument("--max-foreign", type=float, default=0.25, help="redo a run during which other processes took more cores")
     p.add_argument("--retries", type=int, default=2, help="redos of a disturbed run (then it is kept, marked)")
     p.add_argument("--contenders", default=",".join(CONTENDERS),
-                   help=f"comma separated, in round order; lit_rl and raw_gather are required; diagnostics: {', '.join(DIAGNOSTICS)}")
+                   help=f"comma separated, in round order; lit_rl and raw_gather are required; diagnostics: "
+                        f"{', '.join(DIAGNOSTICS)}; other environments: {', '.join(OTHER_ENVS)}")
     p.add_argument("--profile", action="store_true", help="one more buffer run under cProfile; print the top functions")
     p.add_argument("--json", default=None, help="write the summary here")
     args = p.parse_args(argv)
@@ -95,9 +106,9 @@ def parse_args(argv=None):
     if args.rounds < 1:
         problems.append("--rounds must be >= 1")
     args.contenders = tuple(c.strip() for c in args.contenders.split(",") if c.strip())
-    unknown = set(args.contenders) - set(CONTENDERS) - set(DIAGNOSTICS)
+    unknown = set(args.contenders) - set(CONTENDERS) - set(DIAGNOSTICS) - set(OTHER_ENVS)
     if unknown or not set(CONTENDERS) <= set(args.contenders) or len(set(args.contenders)) != len(args.contenders):
-        problems.append(f"--contenders: lit_rl and raw_gather once each, plus any of {', '.join(DIAGNOSTICS)}")
+        problems.append(f"--contenders: lit_rl and raw_gather once each, plus any of {', '.join(DIAGNOSTICS + OTHER_ENVS)}")
     if problems:
         p.error("; ".join(problems))
     return args
@@ -124,7 +135,7 @@ class Bench:
         from transformers import AutoTokenizer
 
         from lit_rl.inference.client import chat_prompt_ids
-        from lit_rl.rollouts.envs import ReverseTextEnv
+        from lit_rl.rollouts import DatasetEnv, ReverseTextEnv
 
         self.args, self.server = args, server
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -133,19 +144,27 @@ class Bench:
         if len(tasks) < args.tasks:
             raise SystemExit(f"--data {args.data} has {len(tasks)} chats; --tasks {args.tasks} needs as many")
         self.prompts = [chat_prompt_ids(self.tokenizer, self.env.prompt(t)) for t in tasks]
+        rows = model_dir.parent.parent / "dataset_env.jsonl"  # the same prompts as rows, for lit_rl_dataset
+        rows.write_text("".join(json.dumps({"prompt": t["text"], "answer": t["text"][::-1]}) + "\n" for t in tasks))
+        self.dataset_env = DatasetEnv(str(rows), rewards=[
+            "lit_rl.rewards.exact_match",
+            {"function": "lit_rl.rewards.length_penalty", "weight": 0.1,
+             "kwargs": {"max_length": args.max_tokens, "buffer_length": max(1, args.max_tokens // 4)}}])
+        if [self.dataset_env.prompt(t) for t in self.dataset_env.tasks()] != [self.env.prompt(t) for t in tasks]:
+            raise RuntimeError("the DatasetEnv's prompts differ from ReverseTextEnv's: not the same workload")
         # One client per contender for the whole benchmark (as a trainer keeps one): the warm-up
         # round opens their connection pools and fetches the model name.
         self.client = server.client(tokenizer=self.tokenizer)
         self.raw = openai.AsyncOpenAI(base_url=server.base_url, api_key="EMPTY")
         self.model: str | None = None
 
-    async def lit_rl(self) -> dict:
+    async def lit_rl(self, env=None) -> dict:
         from lit_rl.rollouts.buffer import RolloutBuffer
         from lit_rl.rollouts.context import TrainSampling
 
         a = self.args
         buffer = RolloutBuffer(
-            self.env, self.client, self.tokenizer, TrainSampling(max_tokens=a.max_tokens, temperature=1.0, top_p=1.0),
+            env or self.env, self.client, self.tokenizer, TrainSampling(max_tokens=a.max_tokens, temperature=1.0, top_p=1.0),
             batch_size=a.batch_size, group_size=a.group_size, max_concurrency=a.concurrency, max_staleness=None,
             num_batches=a.tasks * a.group_size // a.batch_size,
         )
@@ -160,6 +179,10 @@ class Bench:
             raise RuntimeError(f"lit_rl run had failures: {buffer.counters}")
         return {"elapsed_s": elapsed, "samples": samples, "batches": batches,
                 "completion_tokens": buffer.counters["completion_tokens"]}
+
+    async def lit_rl_dataset(self) -> dict:
+        """The lit_rl run over the DatasetEnv of the same prompts with two reward functions."""
+        return await self.lit_rl(self.dataset_env)
 
     async def raw_gather(self) -> dict:
         a = self.args
@@ -315,6 +338,8 @@ def summarize(args, runs: dict[str, list[dict]], wall: float, startup_s: float) 
         "per_round_ratios": per_round,
         "median_per_round_ratio": statistics.median(per_round) if per_round else None,
         "target": {"name": f"lit-rl >= {TARGET}x raw gather tok/s", "ratio": ratio, "met": ratio >= TARGET},
+        "other_targets": {name: {"name": f"{name} >= {TARGET}x raw gather tok/s", "ratio": med[name]["tokens_per_s_vs_raw"],
+                                 "met": med[name]["tokens_per_s_vs_raw"] >= TARGET} for name in OTHER_ENVS if name in med},
     }
 
 
@@ -349,6 +374,8 @@ def markdown(s: dict) -> str:
         "",
         f"target {s['target']['name']} -> {'met' if s['target']['met'] else 'NOT met'} ({s['ratio_tokens_per_s']:.3f}x)",
     ]
+    lines += [f"target {t['name']} -> {'met' if t['met'] else 'NOT met'} ({t['ratio']:.3f}x)"
+              for t in s.get("other_targets", {}).values()]
     return "\n".join(lines)
 
 
