@@ -302,3 +302,31 @@ def test_several_updates_per_batch_clip_against_the_first_updates_weights_and_re
     resumed = grpo_updates(first_two, HeldUpdates(HeldBatch.from_state(state), 3, start=2, **layout), lr)
     for (name, a), b in zip(want.named_parameters(), resumed.parameters()):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=0, msg=lambda m: f"resumed {name}: {m}")
+
+
+def test_a_step_refuses_a_rollout_batch_that_belongs_to_another_step(tmp_path, monkeypatch):
+    """Step k trains batch k // updates_per_batch and nothing else: a buffer whose next batch is
+    not the step's (rollout state and trainer step out of line) stops the run with both numbers,
+    before anything is traced or trained."""
+    from helpers import reverse_rows, write_jsonl
+
+    from lit_rl.data.rollout_datamodule import RolloutDataModule
+    from lit_rl.inference.client import InferenceClient
+    from lit_rl.rollouts import ReverseTextEnv, TrainSampling
+    from lit_rl.rollouts.buffer import RolloutBuffer
+    from lit_rl.rollouts.scheduler import Batch
+
+    env = ReverseTextEnv(write_jsonl(tmp_path / "t.jsonl", reverse_rows(2)))
+    dm = RolloutDataModule(env, batch_size=2, group_size=2)
+    dm.trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    sample = Sample(input_ids=[1, 2], loss_mask=[False, True], logprobs=[0.0, -1.0], reward=1.0, source="policy")
+    drawn = iter([Batch([sample, sample], index=1, versions=[1, 1], first_step=2),
+                  Batch([sample, sample], index=1, versions=[1, 1], first_step=2)])
+    monkeypatch.setattr(dm, "_wait_for_batch", lambda: next(drawn))
+    never_called = InferenceClient("http://127.0.0.1:9/v1")  # the buffer is not started: only its metrics are read
+    dm.rollouts = RolloutBuffer(env, never_called, None, TrainSampling(), batch_size=2, group_size=2)
+    with pytest.raises(RuntimeError, match=r"step 1 drew rollout batch 1, which belongs to step 2: the rollouts' "
+                                           r"state and the trainer's step disagree"):
+        dm._draw_payload(first_step=1)
+    assert not (tmp_path / "rollouts" / "trained.jsonl").exists()
+    assert dm._draw_payload(first_step=2)["samples"] == [sample, sample]  # its own step takes it
