@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, reverse_rows, write_jsonl
-from test_cli import LIT_RL, metrics_rows, run
+from test_cli import LIT_RL, run
 
 pytestmark = pytest.mark.slow
 CONFIG = str(REPO / "examples" / "reverse_text" / "grpo.yaml")
@@ -134,34 +134,54 @@ def test_a_server_killed_mid_run_gives_a_clear_error(data, tmp_path, tiny_model_
     assert not left, f"processes left behind: {left}"
 
 
-def test_two_ranks_share_each_batch_of_a_dataset_with_reward_functions(vllm_server, tmp_path):
+def test_two_ranks_share_each_batch_of_a_dataset_with_reward_functions_and_resume_mid_batch(vllm_server, tmp_path):
     """Two CPU processes (DDP): rank 0 drives the buffer, every rank trains a half of every batch.
     The step's trained tokens (summed over ranks) are the batch's completion tokens, and the
     samples each rank traced as trained are disjoint halves that together make up rank 0's batch.
     The tasks are a jsonl of prompt/answer rows with two built-in rewards, all from the command
-    line (DatasetEnv): each reward is logged beside their weighted sum."""
+    line (DatasetEnv): each reward is logged beside their weighted sum. Two updates per batch:
+    three steps, so the checkpoint falls between the two updates of batch 1 (every rank's old
+    logprobs gathered into it), then a resume whose step trains that held batch's second update."""
     root = tmp_path / "run"
     rows = [{"prompt": f"Reverse: {r['messages'][0]['content']}", "answer": r["messages"][0]["content"][::-1]}
             for r in reverse_rows(40)]
     env = {"class_path": "lit_rl.rollouts.DatasetEnv", "init_args": {
         "path": write_jsonl(tmp_path / "prompts.jsonl", rows),
-        "rewards": ["lit_rl.rewards.exact_match", {"function": "lit_rl.rewards.length_penalty", "weight": 0.5,
-                                                   "kwargs": {"max_length": 12, "buffer_length": 8}}]}}
-    args = grpo_args(root, "unused", str(vllm_server.model_dir), 2, *shared(vllm_server),
-                     "--trainer.devices", "2", "--trainer.strategy", "ddp")
-    at = args.index("--data.init_args.env.init_args.path")
-    args[at: at + 2] = ["--data.init_args.env", json.dumps(env)]
-    out = run(args)
-    assert out.returncode == 0, out.stderr[-4000:]
-    rows = [r for r in metrics_rows(root) if r.get("train/staleness_max")]
-    assert len(rows) == 2
+        "rewards": ["lit_rl.rewards.exact_match",
+                    {"function": "lit_rl.rewards.length_penalty", "weight": 0.5, "kwargs": {"max_length": 12, "buffer_length": 8}},
+                    # the random model's 12 characters: about half of them hold one of a-m, so groups differ
+                    {"function": "lit_rl.rewards.regex_match", "weight": 0.25, "name": "a_to_m", "kwargs": {"pattern": "[a-m]"}}]}}
+
+    def args(steps: int, *extra: str) -> list[str]:
+        out = grpo_args(root, "unused", str(vllm_server.model_dir), steps, *shared(vllm_server), "--trainer.devices",
+                        "2", "--trainer.strategy", "ddp", "--model.init_args.updates_per_batch", "2", *extra)
+        at = out.index("--data.init_args.env.init_args.path")
+        out[at: at + 2] = ["--data.init_args.env", json.dumps(env)]
+        return out
+
+    first = run(args(3))
+    assert first.returncode == 0, first.stderr[-4000:]
+    second = run(args(4, "--ckpt_path", "last"))
+    assert second.returncode == 0, second.stderr[-4000:]
+    runs = [[r for r in csv.DictReader(open(path)) if r.get("train/staleness_max")]
+            for path in sorted(root.glob("logs/version_*/metrics.csv"))]
+    assert [len(r) for r in runs] == [3, 1]
+    rows = [r for run_rows in runs for r in run_rows]
     for r in rows:
         batch_tokens = float(r["train/completion_length"]) * 8  # mean completion tokens x batch_size
         assert float(r["train/tokens"]) == pytest.approx(batch_tokens), r
-        parts = float(r["train/reward/exact_match"]) + 0.5 * float(r["train/reward/length_penalty"])
+        parts = (float(r["train/reward/exact_match"]) + 0.5 * float(r["train/reward/length_penalty"])
+                 + 0.25 * float(r["train/reward/a_to_m"]))
         assert float(r["train/reward"]) == pytest.approx(parts, abs=1e-6), r
+        assert float(r["train/grad_norm"]) > 0, r  # the rewards differ within groups: every step learns
     assert any(float(r["train/reward/length_penalty"]) < 0 for r in rows)  # some of the 12 tokens are penalised
-    assert [s["step"] for s in trained(root)] == [0, 1]
+    # the resumed step trained batch 1 again with the old logprobs of its first update, on both ranks
+    before, after = rows[2], rows[3]
+    assert [float(before[k]) for k in ("train/reward", "train/tokens")] == [
+        float(after[k]) for k in ("train/reward", "train/tokens")]
+    assert float(after["train/mismatch_kl"]) == pytest.approx(float(before["train/mismatch_kl"]), rel=1e-6)
+    assert float(after["train/entropy"]) != float(before["train/entropy"])  # other weights, same samples
+    assert [s["step"] for s in trained(root)] == [0, 2]  # a batch is drawn (and traced) at its first step
     shares = [[json.loads(line) for line in open(root / "rollouts" / f"trained_rank{r}.jsonl")] for r in (0, 1)]
     for batch, half0, half1 in zip(trained(root), *shares, strict=True):
         assert half0["step"] == half1["step"] == batch["step"]
