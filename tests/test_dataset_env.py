@@ -211,12 +211,17 @@ def test_a_failing_reward_function_rejects_its_row_under_the_buffers_rules(vllm_
 
 def test_reasoning_gym_tasks_repeat_from_the_seed_and_score_with_the_datasets_own_scorer():
     from lit_rl.rollouts import ReasoningGymEnv
+    from lit_rl.rollouts.reasoning_gym_env import held_out_overlap
 
     env = ReasoningGymEnv("spell_backward", size=6, task_seed=3, config={"max_word_len": 6})
     again = ReasoningGymEnv(**env.to_config()["init_args"])  # what the evaluator process builds
     assert again.tasks() == env.tasks()
-    other = ReasoningGymEnv("spell_backward", size=6, task_seed=4, config={"max_word_len": 6})
-    assert [t["entry"]["question"] for t in other.tasks()] != [t["entry"]["question"] for t in env.tasks()]
+    # task i comes from seed + i: the next seed is the same tasks shifted by one, a far one is held out
+    questions = [t["entry"]["question"] for t in env.tasks()]
+    nxt = ReasoningGymEnv("spell_backward", size=6, task_seed=4, config={"max_word_len": 6})
+    assert [t["entry"]["question"] for t in nxt.tasks()][:5] == questions[1:] and held_out_overlap(env, nxt) == 5
+    far = ReasoningGymEnv("spell_backward", size=6, task_seed=1_000_000, config={"max_word_len": 6})
+    assert held_out_overlap(env, far) == sum(t["entry"]["question"] in questions for t in far.tasks()) <= 1
     task = env.tasks()[0]
     word = task["entry"]["metadata"]["word"]
     assert task["prompt"][0]["role"] == "system" and "<answer>" in task["prompt"][0]["content"]
@@ -265,3 +270,30 @@ def test_the_yaml_in_docs_environments_builds_and_scores(tmp_path):
     assert total == [1.0, pytest.approx(0.1 * -232 / 256)]
     gym = ReasoningGymEnv(**blocks[1]["env"]["init_args"])
     assert len(gym.tasks()) == 2000 and all(3 <= len(t["entry"]["metadata"]["word"]) <= 6 for t in gym.tasks())
+
+
+def test_lit_rl_evaluate_runs_a_dataset_env_unchanged_and_logs_each_reward(vllm_server, tmp_path, monkeypatch):
+    """`lit-rl evaluate --env lit_rl.rollouts.DatasetEnv --env-args ...` on a checkpoint, against the
+    session's server: the environment rebuilt from its arguments, each reward in eval_metrics.csv."""
+    import csv
+    import shutil
+    import sys
+    import uuid
+
+    from lit_rl import cli
+    from lit_rl.run_dir import step_dir
+
+    run = vllm_server.root / f"evaluate_{uuid.uuid4().hex[:8]}"  # inside the server's reload root
+    shutil.copytree(vllm_server.model_dir, step_dir(run, 0))
+    args = {"path": write_jsonl(tmp_path / "rows.jsonl", ROWS), "prompt_column": "question", "rewards": TWO_REWARDS,
+            "max_tokens": 8, "name": "math"}
+    monkeypatch.setattr(sys, "argv", ["lit-rl"])
+    try:
+        cli.main(["evaluate", "--weights-dir", str(run / "weights"), "--base-url", vllm_server.base_url,
+                  "--env", "lit_rl.rollouts.DatasetEnv", "--env-args", json.dumps(args), "--log-dir", str(tmp_path / "evals")])
+    finally:
+        shutil.rmtree(run)
+    logged = {r["name"]: float(r["value"]) for r in csv.DictReader(open(tmp_path / "evals" / "eval_metrics.csv"))}
+    assert {"eval/math/reward", "eval/math/reward/longer_is_better", "eval/math/reward/mentions"} <= set(logged), logged
+    assert logged["eval/math/reward"] == pytest.approx(
+        0.5 * logged["eval/math/reward/longer_is_better"] + 2.0 * logged["eval/math/reward/mentions"], rel=1e-6)
