@@ -50,3 +50,10 @@ def no_completions_argument(prompt, answer):
 def not_skipped(row) -> bool:
     """A row filter: rows whose prompt says "skip" are left out."""
     return "skip" not in row["prompt"]
+
+
+async def says_hello(prompts, completions, **columns):
+    """TRL's signature, async, on conversational rows: 1.0 when the assistant message says hello."""
+    await asyncio.sleep(0)
+    CALLS.append({"fn": "says_hello", "prompts": prompts, "completions": completions})
+    return [float("hello" in c[0]["content"]) for c in completions]

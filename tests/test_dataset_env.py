@@ -297,3 +297,14 @@ def test_lit_rl_evaluate_runs_a_dataset_env_unchanged_and_logs_each_reward(vllm_
     assert {"eval/math/reward", "eval/math/reward/longer_is_better", "eval/math/reward/mentions"} <= set(logged), logged
     assert logged["eval/math/reward"] == pytest.approx(
         0.5 * logged["eval/math/reward/longer_is_better"] + 2.0 * logged["eval/math/reward/mentions"], rel=1e-6)
+
+
+def test_chat_prompts_give_trl_functions_conversational_prompts_and_completions(tmp_path):
+    chats = [{"prompt": [{"role": "user", "content": "Greet me."}], "answer": "hello"}]
+    env = DatasetEnv(write_jsonl(tmp_path / "c.jsonl", chats), ["reward_fns.says_hello", "lit_rl.rewards.exact_match"])
+    reward_fns.CALLS.clear()
+    total, parts = asyncio.run(env.score_group(["hello there", "go away", "Hello"], env.tasks()[0], [[1], [2], [3]]))
+    call = reward_fns.CALLS[0]
+    assert call["prompts"] == [chats[0]["prompt"]] * 3
+    assert call["completions"] == [[{"role": "assistant", "content": t}] for t in ("hello there", "go away", "Hello")]
+    assert parts == {"says_hello": [1.0, 0.0, 0.0], "exact_match": [0.0, 0.0, 1.0]} and total == [1.0, 0.0, 1.0]
