@@ -6,7 +6,10 @@
 
 reasoning-gym generates tasks from a seed (`create_dataset(name, size=..., seed=..., **config)`),
 so every process that builds the environment from the same arguments (trainer, evaluator) lists
-the same tasks, and another `task_seed` gives held-out ones. The completion's answer is what
+the same tasks. Held-out tasks need a seed far away, not the next one: most of its generators
+draw task i from `Random(seed + i)`, so seeds 0 and 1 share all but one task. Evals should use a
+`task_seed` at least the training `size` beyond the training seed (`held_out_overlap` counts
+the questions two environments share). The completion's answer is what
 the model wrote inside ``<answer>...</answer>`` (reasoning-gym's `extract_answer`, the format
 its system prompts ask for), or the whole stripped completion with ``answer_tag: null``.
 Needs the optional `reasoning-gym` package (``pip install 'lit-rl[envs]'``).
@@ -31,8 +34,9 @@ class ReasoningGymEnv(Environment):
         Args:
             dataset: a reasoning-gym dataset name (``spell_backward``, ``basic_arithmetic``, ...).
             size: how many tasks to generate.
-            task_seed: the generator's seed (``seed`` is the eval sampling seed); another seed
-                gives other tasks, e.g. held-out ones for evals.
+            task_seed: the generator's seed (``seed`` is the eval sampling seed). Task i comes
+                from seed + i in most generators: for held-out tasks take a seed at least ``size``
+                beyond the training one (e.g. 1_000_000).
             config: the dataset's own options (its ``...Config`` fields, e.g. ``max_word_len``).
             system_prompt: a key of reasoning-gym's ``SYSTEM_PROMPTS`` (``default``, ``simple``,
                 ``direct``, ...), a system prompt of your own, or None for none.
@@ -76,3 +80,9 @@ class ReasoningGymEnv(Environment):
 
     def reward(self, completion: str, task: dict) -> float:
         return float(self._data.score_answer(self.answer(completion), task["entry"]))
+
+
+def held_out_overlap(train: ReasoningGymEnv, held_out: ReasoningGymEnv) -> int:
+    """How many of `held_out`'s questions `train` also asks (0 for a clean held-out set)."""
+    asked = {t["entry"]["question"] for t in train.tasks()}
+    return sum(t["entry"]["question"] in asked for t in held_out.tasks())
