@@ -144,14 +144,15 @@ class Bench:
         if len(tasks) < args.tasks:
             raise SystemExit(f"--data {args.data} has {len(tasks)} chats; --tasks {args.tasks} needs as many")
         self.prompts = [chat_prompt_ids(self.tokenizer, self.env.prompt(t)) for t in tasks]
-        rows = model_dir.parent.parent / "dataset_env.jsonl"  # the same prompts as rows, for lit_rl_dataset
-        rows.write_text("".join(json.dumps({"prompt": t["text"], "answer": t["text"][::-1]}) + "\n" for t in tasks))
-        self.dataset_env = DatasetEnv(str(rows), rewards=[
-            "lit_rl.rewards.exact_match",
-            {"function": "lit_rl.rewards.length_penalty", "weight": 0.1,
-             "kwargs": {"max_length": args.max_tokens, "buffer_length": max(1, args.max_tokens // 4)}}])
-        if [self.dataset_env.prompt(t) for t in self.dataset_env.tasks()] != [self.env.prompt(t) for t in tasks]:
-            raise RuntimeError("the DatasetEnv's prompts differ from ReverseTextEnv's: not the same workload")
+        if "lit_rl_dataset" in args.contenders:  # the same prompts as rows of a jsonl
+            rows = model_dir.parent.parent / "dataset_env.jsonl"
+            rows.write_text("".join(json.dumps({"prompt": t["text"], "answer": t["text"][::-1]}) + "\n" for t in tasks))
+            self.dataset_env = DatasetEnv(str(rows), rewards=[
+                "lit_rl.rewards.exact_match",
+                {"function": "lit_rl.rewards.length_penalty", "weight": 0.1,
+                 "kwargs": {"max_length": args.max_tokens, "buffer_length": max(1, args.max_tokens // 4)}}])
+            if [self.dataset_env.prompt(t) for t in self.dataset_env.tasks()] != [self.env.prompt(t) for t in tasks]:
+                raise RuntimeError("the DatasetEnv's prompts differ from ReverseTextEnv's: not the same workload")
         # One client per contender for the whole benchmark (as a trainer keeps one): the warm-up
         # round opens their connection pools and fetches the model name.
         self.client = server.client(tokenizer=self.tokenizer)

@@ -162,8 +162,8 @@ class Environment:
         rewards, parts = await self.score_group(texts, task, [c.completion_ids for c in outs])
         task_id = self.task_id(task)
         samples = [
-            completion_sample(prompt_ids, c, reward=r, metadata={
-                "task_id": task_id, "completion": text, **({"rewards": {k: v[i] for k, v in parts.items()}} if parts else {})})
+            completion_sample(prompt_ids, c, reward=r,
+                              metadata={"task_id": task_id, "completion": text, **parts_of(parts, i)})
             for i, (c, text, r) in enumerate(zip(outs, texts, rewards))
         ]
         return SampleGroup(samples=samples, task_id=task_id)
@@ -197,11 +197,16 @@ class Environment:
             for name, values in parts.items():
                 part_sums.setdefault(name, []).extend(v for v in values if v is not None)
             for i, (text, reward) in enumerate(zip(texts, rewards)):
-                run.traces.append({"prompt": self.prompt(task), "completion": text, "reward": reward,
-                                   **({"rewards": {k: v[i] for k, v in parts.items()}} if parts else {})})
+                run.traces.append({"prompt": self.prompt(task), "completion": text, "reward": reward, **parts_of(parts, i)})
         out = {name: float(metric.compute()) for name, metric in metrics.items()}
         out.update({f"reward/{name}": sum(v) / len(v) for name, v in part_sums.items() if v})
         return out
+
+
+def parts_of(parts: dict[str, list[float | None]], i: int) -> dict:
+    """``{"rewards": {name: value}}`` of completion i, for its sample's metadata or eval trace; ``{}``
+    when the environment reports no named parts."""
+    return {"rewards": {name: values[i] for name, values in parts.items()}} if parts else {}
 
 
 def lcs_ratio(a: str, b: str) -> float:
