@@ -1,6 +1,7 @@
 """Starting a child process that dies with its parent, optionally kept to some CPU cores.
 
-Used for the vLLM server and the evaluator, which are stopped the same way (`stop_process_group`). The child is started through a short Python
+Used for the vLLM server and the evaluator, which are stopped the same way (`stop_process_group`),
+and, through `exit_with_parent`, for the workers of `lit_rl.rewards.math_verify`'s process pool. The child is started through a short Python
 launcher that, inside the child and before it execs the real command, asks Linux to
 SIGTERM it when the parent dies (PR_SET_PDEATHSIG, which survives exec; it follows the
 parent *thread*, so start children from a thread that lives as long as they do), gives up
@@ -25,6 +26,18 @@ _LAUNCHER = (
     "if sys.argv[2]: os.sched_setaffinity(0, [int(c) for c in sys.argv[2].split(',')])\n"
     "os.execv(sys.argv[3], sys.argv[3:])"
 )
+
+
+def exit_with_parent(parent_pid: int) -> None:
+    """The launcher's first two steps, for a child Python starts itself (a process-pool worker's
+    initializer): SIGTERM this process when the thread that started it dies, and exit at once if
+    `parent_pid` is already gone."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(70)
 
 
 def dies_with_parent(command: Sequence[str], cpus: Sequence[int] | None = None) -> list[str]:

@@ -308,3 +308,45 @@ def test_chat_prompts_give_trl_functions_conversational_prompts_and_completions(
     assert call["prompts"] == [chats[0]["prompt"]] * 3
     assert call["completions"] == [[{"role": "assistant", "content": t}] for t in ("hello there", "go away", "Hello")]
     assert parts == {"says_hello": [1.0, 0.0, 0.0], "exact_match": [0.0, 0.0, 1.0]} and total == [1.0, 0.0, 1.0]
+
+
+def test_math_verify_workers_go_with_a_killed_parent(tmp_path):
+    """The spawned scoring workers exit when the process that scored is SIGKILLed (nothing of
+    lit-rl's outlives its run; without the parent-death signal one worker stayed, adopted by init)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "score.py"
+    script.write_text(
+        "import asyncio, time\n"
+        "from lit_rl.rewards import math_answers, math_verify\n"
+        "if __name__ == '__main__':\n"
+        "    print(asyncio.run(math_verify(['q', 'q'], ['\\\\boxed{1}', '2'], answer=['1', '1'])), flush=True)\n"
+        "    print(' '.join(str(p) for p in math_answers._POOL._processes), flush=True)\n"
+        "    time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "[1.0, 0.0]"
+        workers = [int(p) for p in proc.stdout.readline().split()]
+        assert workers
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 15
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+
+    while any(alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in workers if alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"math_verify workers {left} outlived their parent"

@@ -6,7 +6,10 @@ then compared symbolically with numeric tolerance). Its per-call timeout uses `s
 which works only on a process's main thread, while rollouts score on an event loop off the main
 thread, and a parse can take seconds on a hostile string. So the comparisons run in a small pool
 of worker processes (spawned, each scoring on its main thread, so the timeout holds), a group per
-submission; the pool starts on first use and ends with the process.
+submission; the pool starts on first use and ends with the process, also when it is killed
+(each worker exits with its parent, as lit-rl's servers do). Spawned workers import the main
+module again, so a script of your own that scores with it needs ``if __name__ == "__main__":``
+(the `lit-rl` command has it).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 
+from lit_rl.child_process import exit_with_parent
 from lit_rl.rewards.extras import require
 
 _POOL: ProcessPoolExecutor | None = None
@@ -26,7 +30,8 @@ def _pool() -> ProcessPoolExecutor:
     global _POOL
     if _POOL is None:
         _POOL = ProcessPoolExecutor(max_workers=min(2, os.cpu_count() or 1),
-                                    mp_context=multiprocessing.get_context("spawn"))
+                                    mp_context=multiprocessing.get_context("spawn"),
+                                    initializer=exit_with_parent, initargs=(os.getpid(),))
         atexit.register(_POOL.shutdown, wait=False, cancel_futures=True)
     return _POOL
 
