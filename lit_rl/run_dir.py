@@ -23,6 +23,12 @@ def step_dir(root: str | Path, step: int) -> Path:
     return weights_dir(root) / f"step_{step}"
 
 
+def base_dir(root: str | Path) -> Path:
+    """A LoRA run's frozen base model (`weights/base`), written once per run with a STABLE marker:
+    what the policy's server serves the adapters of `weights/step_<N>` and `sync/step_<N>` on."""
+    return weights_dir(root) / "base"
+
+
 def sync_dir(root: str | Path) -> Path:
     """Weight-sync exports (`sync/step_<N>`): written for the policy's inference server after
     every optimizer step, not flushed to disk, a few kept; not checkpoints for evals or users."""

@@ -189,3 +189,30 @@ def test_opd_under_fsdp2_with_a_real_server(vllm_server, tmp_path):
     for r in rows:
         assert r["train/mismatch_kl"] < 1e-3, r  # the trainer's logprobs are the served weights'
         assert r["train/tokens"] == pytest.approx(r["train/completion_length"] * 8), r
+
+
+def adapter(root: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(root / "weights" / f"step_{step}" / "adapter_model.safetensors")
+
+
+def test_lora_under_fsdp2_trains_as_one_process_and_resumes_exactly(runs):
+    """A LoRA adapter (frozen base in the shards beside it): two sharded ranks, stopped after step 1
+    and resumed (optimizer state from the sharded checkpoint), end at the adapter that one process
+    trains in two uninterrupted steps; the exports hold only the adapter."""
+    tmp, data = runs
+    lora = ["--model.init_args.lora.rank", "4", "--model.init_args.lora.alpha", "8",
+            "--model.init_args.lora.target_modules", "[q_proj, v_proj, down_proj]"]
+    ok(fit(tmp / "lora_one", data, 2, *lora))
+    split = tmp / "lora_split"
+    ok(sharded(split, data, 1, *lora))
+    ok(sharded(split, data, 2, *lora, "--ckpt_path", "last"))
+    one, two = metrics(tmp / "lora_one"), metrics(split)
+    for step in (0, 1):
+        for name in ("train/loss", "train/grad_norm"):
+            assert two[step][name] == pytest.approx(one[step][name], rel=1e-5, abs=0), (step, name)
+    a, b = adapter(tmp / "lora_one", 2), adapter(split, 2)
+    assert len(a) == N_LAYERS * 3 * 2 and a.keys() == b.keys()  # A and B of three layers per block
+    assert not any(torch.equal(v, torch.zeros_like(v)) for v in a.values())  # every B moved from its zero init
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=ATOL, rtol=0, msg=k)
+    assert not (split / "weights" / "step_2" / "model.safetensors").exists()

@@ -16,6 +16,12 @@ patch it or write checkpoints themselves; they register as consumers:
   inference server (RL weight sync), in `sync/step_N`: no fsync (nothing is lost if
   the machine dies, training re-exports), `keep_sync` newest kept; a checkpoint of
   the same step is reused instead of written twice.
+
+A model with a LoRA adapter (`model.init_args.lora`) exports the adapter only, in PEFT's format
+(`lit_rl.lora`), in every `weights/step_N` and `sync/step_N`; its frozen base is written once per
+run to `weights/base` (what the policy's server serves the adapter on, and the adapter's
+`base_model_name_or_path`). With `merged`, `weights/step_N/merged` also holds the plain model with
+the adapter merged in.
 """
 
 from __future__ import annotations
@@ -31,9 +37,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_rl.callbacks.step_files import StepFiles, learn_step_files
+from lit_rl.lora import adapter_state, base_state, has_adapter, merged_state, write_adapter
 from lit_rl.model_names import load_tokenizer
 from lit_rl.modules.model_loading import resolve_dtype
-from lit_rl.run_dir import STABLE, in_use, stable_steps, step_dir, step_of, sync_dir, unfinished
+from lit_rl.run_dir import STABLE, base_dir, in_use, stable_steps, step_dir, step_of, sync_dir, unfinished
 from lit_rl.sharding import is_sharded
 
 log = logging.getLogger(__name__)
@@ -52,7 +59,8 @@ class ExportError(OSError):
 
 class HFExport(L.Callback):
     def __init__(
-        self, every_n_steps: int | None = None, keep_last: int | None = None, dtype: str | None = None, keep_sync: int = 2
+        self, every_n_steps: int | None = None, keep_last: int | None = None, dtype: str | None = None, keep_sync: int = 2,
+        merged: bool = False,
     ):
         """
         Args:
@@ -60,6 +68,8 @@ class HFExport(L.Callback):
             keep_last: keep this many newest step directories; None keeps all.
             dtype: dtype of the saved weights (float32, bfloat16, float16); default: training dtype.
             keep_sync: weight-sync exports kept in ``sync/`` (RL), the newest; at least 1.
+            merged: with a LoRA adapter, also write the model with the adapter merged in, a plain HF
+                checkpoint, to ``weights/step_N/merged`` (the adapter alone is always written).
         """
         if keep_sync < 1:
             raise ValueError(f"HFExport.keep_sync must be >= 1, got {keep_sync}")
@@ -68,6 +78,8 @@ class HFExport(L.Callback):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"HFExport.keep_last must be >= 1 or None, got {keep_last}")
         self.every_n_steps, self.keep_last, self.keep_sync = every_n_steps, keep_last, keep_sync
+        self.merged = merged
+        self._base_written_for = None  # the run (trainer) whose LoRA base is in weights/base
         self._consumers: list = []
         self.dtype = resolve_dtype(dtype) if dtype else None
         self.last_exported: int | None = None
@@ -158,11 +170,11 @@ class HFExport(L.Callback):
 
     def export(self, trainer, pl_module, step: int) -> Path:
         """Collective under multi-process strategies; rank 0 writes."""
-        state = self.full_state_dict(trainer, pl_module)
         root = Path(trainer.default_root_dir)
         final = step_dir(root, step)
+        fill = self._filler(trainer, pl_module, durable=True)
         if trainer.is_global_zero:
-            self._write(pl_module, state, final)
+            self._write(final, fill)
             self._apply_retention(root)
         trainer.strategy.barrier("hf_export")
         self.last_exported = step
@@ -174,10 +186,10 @@ class HFExport(L.Callback):
         root = Path(trainer.default_root_dir)
         if self.last_exported == step and (step_dir(root, step) / STABLE).is_file():
             return step_dir(root, step)
-        state = self.full_state_dict(trainer, pl_module)
+        fill = self._filler(trainer, pl_module, durable=False)
         final = sync_dir(root) / f"step_{step}"
         if trainer.is_global_zero:
-            self._write(pl_module, state, final, durable=False)
+            self._write(final, fill, durable=False)
             synced = sorted((p for p in sync_dir(root).iterdir() if step_of(p) is not None), key=step_of)
             for path in synced[: max(0, len(synced) - self.keep_sync)]:
                 if path != final and not self.in_use(path):
@@ -185,15 +197,44 @@ class HFExport(L.Callback):
         trainer.strategy.barrier("hf_sync_export")
         return final
 
-    def _write(self, pl_module, state: dict[str, torch.Tensor], final: Path, durable: bool = True) -> None:
+    def _filler(self, trainer, pl_module, durable: bool):
+        """Gathers what one step directory holds (collective) and returns what fills it on rank 0."""
+        model = pl_module.model
+        if not has_adapter(model):
+            state = self.full_state_dict(trainer, pl_module)
+            if self._step_files:
+                return lambda tmp: self._step_files.write(state, tmp)
+            return lambda tmp: self._write_general(pl_module, state, tmp)
+        base = self.ensure_base(trainer, pl_module)
+        adapter = adapter_state(model)
+        merged = merged_state(model, self.full_state_dict(trainer, pl_module)) if durable and self.merged else None
+
+        def fill(tmp: Path) -> None:
+            write_adapter(model, adapter, tmp, base=str(base.resolve()))
+            if durable:  # a checkpoint for people and evals; the server's sync reads the two adapter files only
+                self._tokenizer(pl_module).save_pretrained(tmp)
+            if merged is not None:
+                (tmp / "merged").mkdir()
+                self._write_plain(pl_module, merged, tmp / "merged")
+        return fill
+
+    def ensure_base(self, trainer, pl_module) -> Path:
+        """A LoRA model's frozen base weights in `weights/base`, written once per run. Collective."""
+        path = base_dir(trainer.default_root_dir)
+        if self._base_written_for is not trainer:
+            state = base_state(self.full_state_dict(trainer, pl_module))
+            if trainer.is_global_zero:
+                self._write(path, lambda tmp: self._write_plain(pl_module, state, tmp))
+            trainer.strategy.barrier("hf_export_base")
+            self._base_written_for = trainer
+        return path
+
+    def _write(self, final: Path, fill, durable: bool = True) -> None:
         tmp = final.with_name(f".{final.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             tmp.mkdir(parents=True)
-            if self._step_files:
-                self._step_files.write(state, tmp)
-            else:
-                self._write_general(pl_module, state, tmp)
+            fill(tmp)
             if durable:
                 _fsync_tree(tmp)
             shutil.rmtree(final, ignore_errors=True)
@@ -207,14 +248,18 @@ class HFExport(L.Callback):
 
     def _write_general(self, pl_module, state: dict[str, torch.Tensor], tmp: Path) -> None:
         """save_pretrained + tokenizer; the first export of a run also learns the fast replay."""
+        self._write_plain(pl_module, state, tmp)
+        if self._step_files is None:
+            self._step_files = learn_step_files(tmp, state) or False
+
+    def _write_plain(self, pl_module, state: dict[str, torch.Tensor], tmp: Path) -> None:
+        """A plain HF checkpoint of `state` (the model's own names): save_pretrained, config, tokenizer."""
         pl_module.model.save_pretrained(tmp, state_dict=dict(state), safe_serialization=True)  # it pops keys
         if self.dtype is not None:
             cfg = json.loads((tmp / "config.json").read_text())
             cfg["dtype"] = cfg["torch_dtype"] = str(self.dtype).removeprefix("torch.")
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         self._tokenizer(pl_module).save_pretrained(tmp)
-        if self._step_files is None:
-            self._step_files = learn_step_files(tmp, state) or False
 
     def in_use(self, path: Path) -> bool:
         """Whether a consumer still needs this step directory; retention never deletes it then:

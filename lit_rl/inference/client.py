@@ -252,11 +252,39 @@ class InferenceClient:
         weights on the old KV.
         """
         path, step = resolve_reload_path(step_path, self.allowed_root)
+        await self._swap(path, step, self._reload)
+        return step
+
+    async def reload_adapter(self, step_path: str | Path, name: str) -> int:
+        """Make the server serve the LoRA adapter in `<allowed_root>/weights/step_N` (or `sync/step_N`)
+        under `name`, loaded in place of the one of that name (vLLM's `/v1/load_lora_adapter`, with
+        `VLLM_ALLOW_RUNTIME_LORA_UPDATING`), with the same pause and prefix-cache reset as
+        `reload_weights`; generation asks for `name` from then on. Returns N, the policy version."""
+        path, step = resolve_reload_path(step_path, self.allowed_root)
+
+        async def load(path: Path) -> None:
+            try:
+                await self._call("load_lora_adapter", self.openai.post(
+                    "/load_lora_adapter", cast_to=object, options={"max_retries": 1},
+                    body={"lora_name": name, "lora_path": str(path), "load_inplace": True}))
+            except InferenceRequestError as e:
+                if "(404)" in str(e):
+                    raise InferenceRequestError(
+                        f"load_lora_adapter: {self.root_url} does not load LoRA adapters at run time: start vLLM with "
+                        "--enable-lora --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True") from e
+                raise
+
+        await self._swap(path, step, load)
+        self.model = name
+        return step
+
+    async def _swap(self, path: Path, step: int, load: Callable[[Path], Any]) -> None:
+        """`load(path)` with generation paused, then the prefix cache reset and the version set."""
         async with self._reload_lock:
             paused = await self._pause_generation()
             try:
                 with lease(path, f"reload-{os.getpid()}-{id(self)}"):
-                    await self._reload(path)
+                    await load(path)
                 cache = await self._call("reset_prefix_cache", self._root.post(
                     "/reset_prefix_cache", cast_to=object, options={"params": {"reset_running_requests": "true"}}))
                 if not (isinstance(cache, dict) and cache.get("success")):
@@ -266,7 +294,6 @@ class InferenceClient:
                     await self._call("resume", self._root.post("/resume", cast_to=object))
             await self._call("update_weight_version", self._root.post(
                 "/update_weight_version", cast_to=object, body={"new_version": str(step)}))
-        return step
 
     async def _pause_generation(self) -> bool:
         """Freeze generation for a weight swap; False on a vLLM without `/pause` (older than the

@@ -26,6 +26,11 @@ Lifecycle (rank 0 owns the processes; exports are collective):
                         rollouts (requests in flight aborted), then the evaluator and the
                         servers, together (SIGTERM to each process group, SIGKILL after a grace).
 
+With a LoRA adapter (`model.init_args.lora`) the policy's server serves the frozen base
+(`weights/base`, written once) with vLLM's LoRA support on, and a sync loads only the adapter, in
+place, under one name (`ADAPTER_NAME`, which every rollout asks for): the same pause, prefix-cache
+reset and version as a full reload, a few MB instead of the model.
+
 The transport of a sync is the filesystem (`HFExport.sync_export`, then vLLM's `reload_weights`),
 which works wherever the trainer and the server share a disk. vLLM's NCCL weight-transfer
 endpoints are the GPU fast path: a subclass overrides `push_weights` and keeps the rest.
@@ -47,11 +52,13 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lit_rl import stopping
 from lit_rl.errors import ConfigError
 from lit_rl.child_process import dies_with_parent, stop_process_group
+from lit_rl.inference.client import InferenceRequestError, InferenceServerError
 from lit_rl.inference.endpoint import Endpoint, open_endpoint
 from lit_rl.inference.server import StartInterrupted
-from lit_rl.run_dir import lease
+from lit_rl.run_dir import base_dir, lease
 
 ROLES = ("policy", "teacher")
+ADAPTER_NAME = "lit-rl-policy"  # the policy's LoRA adapter, as rollouts ask for it from the server
 
 
 class InferenceRuntime(L.Callback):
@@ -108,6 +115,7 @@ class InferenceRuntime(L.Callback):
         self._before_stop: list[Callable[[], None]] = []
         self._lease = None
         self._exporter = None
+        self.lora = None  # the policy's LoRAOptions, read from the module when training starts
 
     # ---- what the run's parts declare and ask ---------------------------------------------------
     @staticmethod
@@ -154,6 +162,8 @@ class InferenceRuntime(L.Callback):
         if role not in self.endpoints:
             raise RuntimeError(f"InferenceRuntime: no {role} server is running (started: {sorted(self.endpoints)})")
         endpoint = self.endpoints[role]
+        if role == "policy" and self.lora is not None:
+            kwargs.setdefault("model", ADAPTER_NAME)
         return lambda: endpoint.client(**kwargs)
 
     def on_sync(self, listener: Callable[[int], None]) -> None:
@@ -177,6 +187,7 @@ class InferenceRuntime(L.Callback):
                                "(a RolloutDataModule does); no server is started")
             return
         step = trainer.global_step
+        self.lora = getattr(pl_module, "lora", None) if self.serves_policy else None
         weights = self._export(trainer, pl_module, step) if self.serves_policy else None
         if trainer.is_global_zero:
             started = time.perf_counter()
@@ -205,14 +216,17 @@ class InferenceRuntime(L.Callback):
                     self.teacher_model, trust_remote_code=self.trust_remote_code)))
         if self.serves_policy:
             options = {}
+            served = weights if self.lora is None else base_dir(root)  # LoRA: the base, and the adapter loaded on it
             if self.base_url is None:
                 options = {"log_path": root / "vllm.log", "stop_on_sigterm": False, **self.server}
-                self._lease = lease(weights, "server")  # retention keeps the directory it was started on
+                if self.lora is not None:
+                    options = lora_server_options(options, self.lora)
+                self._lease = lease(served, "server")  # retention keeps the directory it was started on
                 self._lease.__enter__()
-                rank_zero_info(f"InferenceRuntime: starting the policy's vLLM on {weights} (log: {options['log_path']})")
-            self.endpoints["policy"] = open_endpoint(base_url=self.base_url, model=weights, api_key=self.api_key,
+                rank_zero_info(f"InferenceRuntime: starting the policy's vLLM on {served} (log: {options['log_path']})")
+            self.endpoints["policy"] = open_endpoint(base_url=self.base_url, model=served, api_key=self.api_key,
                                                      allowed_root=root, interrupt=interrupt, **options)
-            if self.base_url is not None:  # an existing server: make it serve exactly the weights being trained
+            if self.base_url is not None or self.lora is not None:  # serve exactly the weights being trained
                 self._reload(weights)
         if self.serves_teacher:
             options = {}
@@ -247,9 +261,17 @@ class InferenceRuntime(L.Callback):
     def _reload(self, weights: Path) -> int:
         async def reload() -> int:
             async with self.endpoints["policy"].client() as client:
-                return await asyncio.wait_for(client.reload_weights(weights), self.sync_timeout)
+                if self.lora is None:
+                    return await asyncio.wait_for(client.reload_weights(weights), self.sync_timeout)
+                return await asyncio.wait_for(client.reload_adapter(weights, ADAPTER_NAME), self.sync_timeout)
 
-        return asyncio.run(reload())
+        try:
+            return asyncio.run(reload())
+        except (InferenceRequestError, InferenceServerError) as e:
+            if self.lora is not None and ("max_lora_rank" in str(e) or "run time" in str(e)):
+                where = "the policy's server" if self.base_url is None else f"inference.base_url {self.base_url}"
+                raise ConfigError(f"model.lora (rank {self.lora.rank}): {where} cannot serve this adapter: {e}") from e
+            raise
 
     def push_weights(self, trainer, pl_module, step: int) -> None:
         """Make the policy's server serve the current weights of `step`. The filesystem path:
@@ -338,3 +360,12 @@ class InferenceRuntime(L.Callback):
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self.stop()
+
+
+def lora_server_options(options: dict, lora) -> dict:
+    """A managed policy server's options with vLLM's LoRA support: adapters up to the run's rank,
+    one at a time, loadable at run time (the sync)."""
+    extra = [*options.get("extra_args", ()), "--enable-lora", "--max-lora-rank", str(lora.server_max_rank),
+             "--max-loras", "1"]
+    env = {**options.get("env", {}), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    return {**options, "extra_args": extra, "env": env}

@@ -32,6 +32,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from lit_rl.errors import ConfigError
 from lit_rl.chunked_head import DEFAULT_CHUNK_SIZE, selected_cross_entropy_sum, selected_token_logprobs
+from lit_rl.lora import LoRAOptions, add_adapter, has_adapter
 from lit_rl.losses import masked_cross_entropy_sum, shifted_token_logprobs, token_entropy
 from lit_rl.modules.model_loading import load_causal_lm
 from lit_rl.modules.step import TrainingStep, trained_tokens
@@ -62,6 +63,7 @@ class CausalLMModule(TrainingStep, L.LightningModule):
         torch_compile: bool = False,
         head_chunk_size: int = DEFAULT_CHUNK_SIZE,
         sharding: FSDP2Options | None = None,
+        lora: LoRAOptions | None = None,
     ):
         """
         Args:
@@ -87,6 +89,9 @@ class CausalLMModule(TrainingStep, L.LightningModule):
                 0.6 GB for Qwen3), whatever the number of trained tokens.
             sharding: FSDP2 options (mixed precision, CPU offload), used when ``trainer.strategy`` is
                 Lightning's ``ModelParallelStrategy`` (configs/strategies/fsdp2.yaml; lit_rl/sharding.py).
+            lora: train a LoRA adapter (`lit_rl.lora.LoRAOptions`: rank, alpha, dropout, target modules)
+                instead of every weight: the base is frozen, only the adapter is in the optimizer, and RL
+                weight syncs send only the adapter to vLLM (docs/lora.md). None: full fine-tuning.
         """
         if head_chunk_size < 1:
             raise ValueError(f"model.head_chunk_size must be >= 1, got {head_chunk_size}")
@@ -104,6 +109,7 @@ class CausalLMModule(TrainingStep, L.LightningModule):
         self.torch_compile = torch_compile
         self.head_chunk_size = head_chunk_size
         self.sharding = sharding or FSDP2Options()
+        self.lora = lora
         self._head_is_plain: dict[int, bool] = {}  # per model (id): does its forward apply its head and nothing else?
         self.model = None  # built in configure_model
         self.automatic_optimization = False
@@ -125,6 +131,8 @@ class CausalLMModule(TrainingStep, L.LightningModule):
             )
             if self.gradient_checkpointing:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora is not None and not has_adapter(self.model):
+            self.model = add_adapter(self.model, self.lora)
         self.before_sharding()
         if self._fsdp2_strategy() and not is_sharded(self.model):
             if self.torch_compile:
@@ -269,7 +277,8 @@ class CausalLMModule(TrainingStep, L.LightningModule):
         return scatter(lp), None if ent is None else scatter(ent)
 
     def configure_optimizers(self):
-        optimizer = self.optimizer_factory(self.parameters())
+        # only what trains: a LoRA adapter's weights, not the frozen base (no optimizer state for it)
+        optimizer = self.optimizer_factory([p for p in self.parameters() if p.requires_grad])
         if self.scheduler_factory is None:
             return optimizer
         # The schedule's length defaults to the trainer's optimizer steps (lit_rl/optim.py says why this way).

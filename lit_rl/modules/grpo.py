@@ -37,6 +37,7 @@ import torch
 
 from lit_rl.data.held_batch import old_logprobs
 from lit_rl.losses import POLICY_METRICS, check_policy_loss_options, policy_loss_normaliser, policy_loss_sums
+from lit_rl.lora import adapter_disabled, has_adapter
 from lit_rl.modules.base import CausalLMModule
 from lit_rl.modules.model_loading import load_causal_lm
 
@@ -99,8 +100,8 @@ class GRPO(CausalLMModule):
     def before_sharding(self) -> None:
         """The frozen reference, once: `reference_model`, or a copy of the policy's initial weights,
         taken here because a copy of an FSDP2-sharded model is not a model of its own."""
-        if self.kl_coef <= 0 or self._reference is not None:
-            return
+        if self.kl_coef <= 0 or self._reference is not None or (has_adapter(self.model) and not self.reference_model):
+            return  # with a LoRA adapter the reference is the policy with its adapter disabled: no copy
         if self.reference_model:
             ref = load_causal_lm(self.reference_model, dtype=self.dtype_name, trust_remote_code=self.trust_remote_code,
                                  attn_implementation=self.attn_implementation)
@@ -116,6 +117,9 @@ class GRPO(CausalLMModule):
         """The reference model's log-probability [B, T] of each trained token (0 elsewhere), of the
         distribution the policy sampled from (the same temperature, top-k and top-p)."""
         with torch.no_grad():
+            if self._reference is None:  # a LoRA policy's own base
+                with adapter_disabled(self.model):
+                    return self.target_logprobs(micro_batch, process=self.sampling_process)[0]
             return self.target_logprobs(micro_batch, model=self._reference, process=self.sampling_process)[0]
 
     def loss_normaliser(self, micro_batch: dict[str, torch.Tensor]) -> float:

@@ -1,0 +1,162 @@
+"""LoRA adapters through `peft`: options, injection, and the adapter's files.
+
+Why `peft.inject_adapter_in_model` and not `get_peft_model`: injection replaces the targeted
+linear layers in place and returns the same Hugging Face model, so everything lit-rl does with
+it (the decoder body and the chunked head, FSDP2 units, gradient checkpointing, compile) is
+unchanged; `get_peft_model` would wrap it in a `PeftModel` whose `base_model` is not the body.
+Only the adapter's weights require gradients, so only they reach the optimizer.
+
+The adapter is saved in PEFT's own format (`adapter_config.json`, `adapter_model.safetensors`
+with `base_model.model.` keys), which `peft`, transformers (`from_pretrained` of the directory)
+and vLLM (`--enable-lora`, `/v1/load_lora_adapter`) all read. The frozen base weights are written
+once per run (`weights/base`), for the policy's server and as the adapter's base.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lit_rl.errors import ConfigError
+
+PEFT_PREFIX = "base_model.model."  # what PeftModel.save_pretrained puts before every key
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+# vLLM's --max-lora-rank takes only these (vllm/config/lora.py, MaxLoRARanks, checked on 0.32)
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+@dataclass
+class LoRAOptions:
+    """A LoRA adapter on the model's linear layers (``model.init_args.lora``).
+
+    Args:
+        rank: the adapter's rank r.
+        alpha: scale numerator: the update is ``alpha / rank * B @ A``.
+        dropout: dropout on the adapter's input while training.
+        target_modules: ``all-linear`` (every linear layer but the output head) or module names,
+            matched as peft matches them (a name's last parts, e.g. ``q_proj``).
+    """
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"
+
+    def __post_init__(self):
+        problems = []
+        if not isinstance(self.rank, int) or self.rank < 1:
+            problems.append(f"rank must be an int >= 1, got {self.rank!r}")
+        elif self.rank > VLLM_MAX_LORA_RANKS[-1]:
+            problems.append(f"rank {self.rank} is above vLLM's largest --max-lora-rank ({VLLM_MAX_LORA_RANKS[-1]})")
+        if not self.alpha > 0:
+            problems.append(f"alpha must be > 0, got {self.alpha!r}")
+        if not 0 <= self.dropout < 1:
+            problems.append(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if not self.target_modules or (isinstance(self.target_modules, str) and self.target_modules != "all-linear"):
+            problems.append(f"target_modules must be 'all-linear' or a list of module names, got {self.target_modules!r}")
+        if problems:
+            raise ValueError("model.lora: " + "; ".join(problems))
+
+    @property
+    def server_max_rank(self) -> int:
+        """The smallest `--max-lora-rank` vLLM accepts that holds this adapter."""
+        return next(r for r in VLLM_MAX_LORA_RANKS if r >= self.rank)
+
+    def peft_config(self):
+        from peft import LoraConfig
+
+        targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=targets,
+                          bias="none")
+
+
+def add_adapter(model: nn.Module, options: LoRAOptions) -> nn.Module:
+    """Inject the adapter into `model` in place (the base frozen, the adapter trainable)."""
+    from peft import inject_adapter_in_model
+
+    try:
+        return inject_adapter_in_model(options.peft_config(), model)
+    except ValueError as e:  # peft's NoMatchingPeftModuleError is a ValueError
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ConfigError(f"model.lora.target_modules {options.target_modules!r}: {e} The model's linear layers "
+                          f"are named: {', '.join(linear)}") from e
+
+
+def has_adapter(model: nn.Module | None) -> bool:
+    return model is not None and bool(getattr(model, "peft_config", None))
+
+
+@contextlib.contextmanager
+def adapter_disabled(model: nn.Module):
+    """The base model's outputs inside the block (GRPO's reference without a copy of the model)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+def is_adapter_key(name: str) -> bool:
+    return ".lora_" in name
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's full tensors in PEFT's file format (CPU). Collective under FSDP2: every rank
+    gathers the adapter's parameters in the same order; only these, never the base."""
+    state = {}
+    for name, param in model.named_parameters():
+        if is_adapter_key(name):
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param
+            state[name] = full.detach().cpu().contiguous()
+    return peft_file_state(model, state)
+
+
+def peft_file_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter's entries of a (full) state dict, renamed as PEFT's files name them."""
+    from peft import get_peft_model_state_dict
+
+    picked = get_peft_model_state_dict(model, state_dict={k: v for k, v in state.items() if is_adapter_key(k)})
+    return {PEFT_PREFIX + k: v for k, v in picked.items()}
+
+
+def base_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The frozen base weights of a full state dict under the plain model's names."""
+    return {k.replace(".base_layer.", "."): v for k, v in state.items() if not is_adapter_key(k)}
+
+
+def merged_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The plain model's weights with the adapter merged in: W + alpha/r * B @ A per target layer."""
+    options = model.peft_config["default"]
+    scale = options.lora_alpha / options.r
+    merged = base_state(state)
+    for name in state:
+        if name.endswith(".lora_A.default.weight"):
+            layer = name[: -len(".lora_A.default.weight")]
+            a, b = state[name].double(), state[f"{layer}.lora_B.default.weight"].double()
+            weight = merged[f"{layer}.weight"]
+            merged[f"{layer}.weight"] = (weight.double() + scale * (b @ a)).to(weight.dtype)
+    return merged
+
+
+def write_adapter(model: nn.Module, state: dict[str, torch.Tensor], directory: Path, base: str) -> None:
+    """PEFT's two files in `directory`; `base` is the base model they apply to (a path or hub name)."""
+    from safetensors.torch import save_file
+
+    config = copy.deepcopy(model.peft_config["default"])
+    config.base_model_name_or_path = base
+    config.save_pretrained(str(directory))  # PEFT's own serialisation of its config
+    save_file(state, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    return (Path(path) / ADAPTER_CONFIG).is_file()

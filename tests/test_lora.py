@@ -1,0 +1,159 @@
+"""LoRA (lit_rl.lora): only the adapter trains; its exports load in peft, transformers and vLLM;
+the merged export equals the adapted model; bad options fail before training."""
+
+import json
+
+import lightning as L
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from lit_rl.callbacks import HFExport
+from lit_rl.data.datamodules import StaticDataModule
+from lit_rl.errors import ConfigError
+from lit_rl.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoRAOptions, adapter_disabled
+from lit_rl.modules.sft import SFT
+from lit_rl.run_dir import STABLE, base_dir, step_dir
+from helpers import TINY_MODEL, reverse_rows, write_jsonl
+
+
+def lora_sft(tmp_path, steps, callbacks=(), lora=LoRAOptions(rank=8, alpha=16), lr=1e-2, **trainer_kw):
+    L.seed_everything(0)
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(32))
+    module = SFT(model=TINY_MODEL, random_init=True, lora=lora, optimizer=lambda p: torch.optim.AdamW(p, lr=lr))
+    dm = StaticDataModule(data, batch_size=4, num_workers=0, max_length=64, micro_batch_tokens=256)
+    trainer = L.Trainer(
+        max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, default_root_dir=str(tmp_path / "run"),
+        callbacks=list(callbacks), **trainer_kw,
+    )
+    trainer.fit(module, datamodule=dm)
+    return module, trainer, tmp_path / "run"
+
+
+def logits(model, ids):
+    model.eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits
+
+
+IDS = [5, 17, 60, 101, 33, 2, 250, 9]
+
+
+def test_only_the_adapter_trains_and_its_exports_load_as_the_trained_model(tmp_path):
+    module, trainer, root = lora_sft(tmp_path, 3, [HFExport(merged=True)])
+    model = module.model
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    optimizer = trainer.optimizers[0]
+    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert in_optimizer == {id(p) for p in model.parameters() if p.requires_grad}
+    assert {id(p) for p in optimizer.state} == in_optimizer  # AdamW state for the adapter only
+
+    # the base did not move: it equals a fresh build of the same seed
+    L.seed_everything(0)
+    fresh = SFT(model=TINY_MODEL, random_init=True)
+    fresh.configure_model()
+    with adapter_disabled(model):
+        torch.testing.assert_close(logits(model, IDS), logits(fresh.model, IDS), atol=0, rtol=0)
+    trained = logits(model, IDS)
+    assert not torch.allclose(trained, logits(fresh.model, IDS), atol=1e-3)  # ... and the adapter did
+
+    final = step_dir(root, 3)
+    assert (final / STABLE).is_file() and (base_dir(root) / STABLE).is_file()
+    assert not (final / "model.safetensors").exists()  # the adapter only
+    config = json.loads((final / ADAPTER_CONFIG).read_text())
+    assert config["r"] == 8 and config["lora_alpha"] == 16 and config["base_model_name_or_path"] == str(base_dir(root).resolve())
+    with safe_open(final / ADAPTER_WEIGHTS, "pt") as f:
+        keys = list(f.keys())
+    assert keys and all(k.startswith("base_model.model.") and ".lora_" in k for k in keys)
+
+    # peft's own loader, transformers' from_pretrained of the adapter directory, and the merged checkpoint
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir(root))
+    torch.testing.assert_close(logits(PeftModel.from_pretrained(base, final), IDS), trained, atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(final), IDS), trained, atol=1e-5, rtol=0)
+    merged = AutoModelForCausalLM.from_pretrained(final / "merged")
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    torch.testing.assert_close(logits(merged, IDS), trained, atol=1e-4, rtol=0)
+
+
+def test_a_target_module_that_matches_nothing_names_the_flag_and_the_layers(tmp_path):
+    with pytest.raises(ConfigError, match=r"model.lora.target_modules \['qproj'\].*q_proj"):
+        lora_sft(tmp_path, 1, lora=LoRAOptions(rank=4, target_modules=["qproj"]))
+    with pytest.raises(ValueError, match="model.lora: rank must be an int >= 1"):
+        LoRAOptions(rank=0)
+    assert LoRAOptions(rank=12).server_max_rank == 16 and LoRAOptions(rank=8).server_max_rank == 8
+
+
+@pytest.mark.slow
+def test_grpo_with_lora_serves_the_trained_adapter_and_syncs_only_the_adapter(tmp_path, tiny_model_path):
+    """A managed server started on the base with LoRA on; every sync loads the new adapter. At
+    staleness 0 the sampler's logprobs equal the trainer's at every step (mismatch_kl ~ 0) while
+    the policy moves away from its base (kl_to_reference > 0, the reference being the adapter
+    switched off): the server serves exactly the adapter being trained."""
+    import csv
+    import subprocess
+
+    from test_cli import run
+    from test_grpo_cli import grpo_args
+
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(40))
+    root = tmp_path / "run"
+    result = run(grpo_args(root, data, tiny_model_path, 3, "--model.init_args.random_init", "true",
+                           "--model.init_args.lora.rank", "8", "--model.init_args.lora.alpha", "16",
+                           "--model.init_args.kl_coef", "0.05", "--model.init_args.optimizer.init_args.lr", "0.02",
+                           "--data.init_args.max_staleness", "0"))
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [r for path in root.glob("logs/version_*/metrics.csv") for r in csv.DictReader(open(path))
+            if r.get("train/mismatch_kl")]
+    assert len(rows) == 3
+    assert all(float(r["train/mismatch_kl"]) < 1e-3 for r in rows), [r["train/mismatch_kl"] for r in rows]
+    assert float(rows[-1]["train/kl_to_reference"]) > 1e-4  # the served adapter is not the base
+    assert all(float(r["train/weight_sync_s"]) > 0 for r in rows[:-1])
+    base_bytes = (base_dir(root) / "model.safetensors").stat().st_size
+    for synced in sorted((root / "sync").glob("step_*")):
+        assert not (synced / "model.safetensors").exists(), synced
+        assert (synced / ADAPTER_WEIGHTS).stat().st_size * 5 < base_bytes, synced
+    assert "lit-rl-policy" in (root / "vllm.log").read_text()
+    left = subprocess.run(["pgrep", "-f", str(root)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left behind: {left}"
+
+
+def test_lora_with_a_server_that_cannot_load_adapters_fails_before_training(vllm_server, tmp_path):
+    """An existing server (inference.base_url) started without runtime LoRA loading."""
+    from test_cli import run
+    from test_grpo_cli import grpo_args, shared
+
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
+    root = tmp_path / "run"
+    result = run(grpo_args(root, data, str(vllm_server.model_dir), 2, *shared(vllm_server),
+                           "--model.init_args.lora.rank", "8"))
+    assert result.returncode == 1
+    error = [line for line in result.stderr.splitlines() if line.startswith("lit-rl fit: error:")]
+    assert len(error) == 1 and "model.lora" in error[0] and "--enable-lora" in error[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert not list(root.glob("rollouts/trained.jsonl"))  # nothing trained
+
+
+def test_a_resumed_lora_run_continues_exactly(tmp_path):
+    """Two steps, a checkpoint, two more from it: the adapter and the AdamW state come back exactly."""
+    straight, _, _ = lora_sft(tmp_path / "straight", 4)
+    first, trainer, _ = lora_sft(tmp_path / "split", 2)
+    ckpt = tmp_path / "split.ckpt"
+    trainer.save_checkpoint(ckpt)
+    L.seed_everything(0)
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(32))
+    resumed = SFT(model=TINY_MODEL, random_init=True, lora=LoRAOptions(rank=8, alpha=16),
+                  optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    dm = StaticDataModule(data, batch_size=4, num_workers=0, max_length=64, micro_batch_tokens=256)
+    L.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, use_distributed_sampler=False,
+              default_root_dir=str(tmp_path / "split" / "run")).fit(resumed, datamodule=dm, ckpt_path=ckpt)
+    a = {n: p for n, p in straight.model.named_parameters() if p.requires_grad}
+    b = {n: p for n, p in resumed.model.named_parameters() if p.requires_grad}
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=0, rtol=0, msg=name)
