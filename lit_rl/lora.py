@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,8 +65,7 @@ class LoRAOptions:
 
     @property
     def server_max_rank(self) -> int:
-        """The smallest `--max-lora-rank` vLLM accepts that holds this adapter."""
-        return next(r for r in VLLM_MAX_LORA_RANKS if r >= self.rank)
+        return server_max_rank(self.rank)
 
     def peft_config(self):
         from peft import LoraConfig
@@ -73,6 +73,26 @@ class LoRAOptions:
         targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
         return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=targets,
                           bias="none")
+
+
+def server_max_rank(rank: int) -> int:
+    """The smallest `--max-lora-rank` vLLM accepts that holds an adapter of this rank."""
+    return next(r for r in VLLM_MAX_LORA_RANKS if r >= rank)
+
+
+def lora_server_options(options: dict, rank: int) -> dict:
+    """`VLLMServer` options with vLLM's LoRA support: adapters up to `rank`, one at a time,
+    loadable at run time (`/v1/load_lora_adapter`: the policy's sync, the evaluator's steps)."""
+    extra = [*options.get("extra_args", ()), "--enable-lora", "--max-lora-rank", str(server_max_rank(rank)),
+             "--max-loras", "1"]
+    env = {**options.get("env", {}), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    return {**options, "extra_args": extra, "env": env}
+
+
+def adapter_base(adapter: str | Path) -> tuple[str, int]:
+    """The base model an adapter directory applies to (its `base_model_name_or_path`) and its rank."""
+    config = json.loads((Path(adapter) / ADAPTER_CONFIG).read_text())
+    return config["base_model_name_or_path"], int(config["r"])
 
 
 def add_adapter(model: nn.Module, options: LoRAOptions) -> nn.Module:

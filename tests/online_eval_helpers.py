@@ -101,3 +101,14 @@ class CtrlCTwice(L.Callback):
         if trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGINT)
             os.kill(os.getpid(), signal.SIGINT)
+
+
+class ScoreFixedIds(ReverseTextEnv):
+    """An eval whose metric is the served model's log-probability of fixed token ids: a test
+    compares it with the checkpoint's own in transformers, so it shows which weights were served."""
+
+    default_name = "score"
+    IDS = [5, 17, 60, 101, 33, 2, 250, 9]
+
+    async def evaluate(self, run: EvalRun) -> dict[str, float]:
+        return {"logprob_sum": sum(await run.client.score(self.IDS))}

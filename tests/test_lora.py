@@ -157,3 +157,35 @@ def test_a_resumed_lora_run_continues_exactly(tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_lit_rl_evaluate_serves_each_lora_step_on_its_base(tmp_path):
+    """`lit-rl evaluate` on a LoRA run: the server starts on the adapters' base with LoRA on and
+    each step's adapter is loaded by name; the served log-probabilities of fixed ids are those of
+    that step's adapted model in peft (steps 1 and 2 differ, so a stale adapter would show)."""
+    import subprocess
+    import sys
+
+    from peft import PeftModel
+
+    from helpers import REPO
+    from lit_rl.eval.logging import read_eval_metrics
+    from online_eval_helpers import ScoreFixedIds
+
+    _, _, root = lora_sft(tmp_path, 2, [HFExport(every_n_steps=1)])
+    result = subprocess.run(
+        [sys.executable, "-m", "lit_rl.cli", "evaluate", "--run-dir", str(root), "--env", "online_eval_helpers.ScoreFixedIds",
+         "--server", json.dumps({"dtype": "float32", "max_model_len": 256, "enforce_eager": True})],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO / "tests")})
+    assert result.returncode == 0, result.stderr[-4000:]
+    served = {r["step"]: r["value"] for r in read_eval_metrics(root / "evals") if r["name"] == "eval/score/logprob_sum"}
+    assert sorted(served) == [1, 2]
+    ids = ScoreFixedIds.IDS
+    for step, value in served.items():
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir(root)), step_dir(root, step))
+        lp = torch.log_softmax(logits(model, ids)[0].double(), -1)
+        expected = sum(lp[i - 1, ids[i]].item() for i in range(1, len(ids)))
+        assert value == pytest.approx(expected, abs=1e-3), step
+    assert abs(served[1] - served[2]) > 1e-2

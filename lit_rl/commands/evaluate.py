@@ -7,7 +7,8 @@
 
 The OnlineEval callback starts this command itself during training (`--follow`): it then
 keeps watching `weights/` until the trainer's final step is evaluated or the trainer is
-gone. Which environments to run comes from `--plan` (default `<run dir>/evals/plan.json`,
+gone. LoRA checkpoints (an adapter in each step directory) are served on their base model, with
+each step's adapter loaded by name (`step_N`). Which environments to run comes from `--plan` (default `<run dir>/evals/plan.json`,
 written by OnlineEval) or from `--env CLASS_PATH` (repeatable; `--env-args` takes JSON).
 """
 
@@ -25,6 +26,7 @@ from pathlib import Path
 from lit_rl.eval.evaluator import Evaluator
 from lit_rl.eval.logging import EvalLogger
 from lit_rl.eval.plan import EvalPlan, evals_dir
+from lit_rl.lora import adapter_base, is_adapter_dir, lora_server_options
 from lit_rl.run_dir import stable_steps
 
 
@@ -101,6 +103,9 @@ async def run(args: argparse.Namespace) -> None:
     if not args.base_url:
         model = first_checkpoint(root, args.start_timeout if args.follow else None, args.parent_pid)
         server_kwargs.setdefault("log_path", str(evals_dir(root) / "vllm.log"))
+        if is_adapter_dir(model):  # LoRA checkpoints: serve their base once, then each step's adapter by name
+            model, rank = adapter_base(model)
+            server_kwargs = lora_server_options(server_kwargs, rank)
     api_key = os.environ.get(args.api_key_env) if args.api_key_env else None  # never on the process list
     with open_endpoint(base_url=args.base_url, model=model, api_key=api_key, allowed_root=root,
                        **({} if args.base_url else server_kwargs)) as endpoint:

@@ -24,6 +24,7 @@ from lightning.pytorch.cli import instantiate_class
 from lit_rl.eval.logging import EvalLogger
 from lit_rl.eval.plan import DoneLog, EvalPlan, evals_dir, read_final_step
 from lit_rl.rollouts.envs import Environment, EvalRun
+from lit_rl.lora import is_adapter_dir
 from lit_rl.run_dir import STABLE, lease, stable_steps
 
 log = logging.getLogger("lit_rl.evaluator")
@@ -137,7 +138,10 @@ class Evaluator:
                 if not (step_path / STABLE).is_file():
                     raise FileNotFoundError(f"{step_path} vanished before it could be loaded")
                 started = time.perf_counter()
-                version = await self.client.reload_weights(step_path)
+                if is_adapter_dir(step_path):  # a LoRA step: its adapter on the served base, by name
+                    version = await self.client.reload_adapter(step_path, f"step_{step}")
+                else:
+                    version = await self.client.reload_weights(step_path)
                 log.info("evaluator: serving step %s (reload %.2f s)", version, time.perf_counter() - started)
                 for env in envs:
                     await self._evaluate_env(step, step_path, env)

@@ -55,6 +55,7 @@ from lit_rl.child_process import dies_with_parent, stop_process_group
 from lit_rl.inference.client import InferenceRequestError, InferenceServerError
 from lit_rl.inference.endpoint import Endpoint, open_endpoint
 from lit_rl.inference.server import StartInterrupted
+from lit_rl.lora import lora_server_options
 from lit_rl.run_dir import base_dir, lease
 
 ROLES = ("policy", "teacher")
@@ -220,7 +221,7 @@ class InferenceRuntime(L.Callback):
             if self.base_url is None:
                 options = {"log_path": root / "vllm.log", "stop_on_sigterm": False, **self.server}
                 if self.lora is not None:
-                    options = lora_server_options(options, self.lora)
+                    options = lora_server_options(options, self.lora.rank)
                 self._lease = lease(served, "server")  # retention keeps the directory it was started on
                 self._lease.__enter__()
                 rank_zero_info(f"InferenceRuntime: starting the policy's vLLM on {served} (log: {options['log_path']})")
@@ -361,11 +362,3 @@ class InferenceRuntime(L.Callback):
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self.stop()
 
-
-def lora_server_options(options: dict, lora) -> dict:
-    """A managed policy server's options with vLLM's LoRA support: adapters up to the run's rank,
-    one at a time, loadable at run time (the sync)."""
-    extra = [*options.get("extra_args", ()), "--enable-lora", "--max-lora-rank", str(lora.server_max_rank),
-             "--max-loras", "1"]
-    env = {**options.get("env", {}), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-    return {**options, "extra_args": extra, "env": env}
