@@ -3,7 +3,8 @@
 `weights/step_<N>/` is a complete HF checkpoint, written under a temporary name,
 flushed, renamed, and only then marked by an empty `STABLE` file. Readers ignore
 step directories without `STABLE`. `sync/step_<N>/` has the same layout for the
-weights RL training sends to its inference server after each step (see `sync_dir`).
+weights RL training sends to its inference server after each step (see `sync_dir`). A LoRA run
+writes adapters there (PEFT's two files) and its frozen base once to `weights/base/` (`base_dir`).
 """
 
 from __future__ import annotations
