@@ -89,23 +89,39 @@ def test_a_target_module_that_matches_nothing_names_the_flag_and_the_layers(tmp_
 
 
 @pytest.mark.slow
-def test_grpo_with_lora_serves_the_trained_adapter_and_syncs_only_the_adapter(tmp_path, tiny_model_path):
-    """A managed server started on the base with LoRA on; every sync loads the new adapter. At
-    staleness 0 the sampler's logprobs equal the trainer's at every step (mismatch_kl ~ 0) while
-    the policy moves away from its base (kl_to_reference > 0, the reference being the adapter
-    switched off): the server serves exactly the adapter being trained."""
+def test_grpo_with_lora_serves_the_trained_adapter_and_its_online_evals_score_each_step(tmp_path, tiny_model_path):
+    """The policy's managed server starts on the base with LoRA on and every sync loads the new
+    adapter: at staleness 0 the sampler's logprobs equal the trainer's at every step
+    (mismatch_kl ~ 0) while the policy moves away from its base (kl_to_reference > 0, the
+    reference being the adapter switched off). The online evals' own managed server serves each
+    exported step's adapter on the same base: the served log-probabilities of fixed ids at steps 0
+    and 3 are those of each step's adapted model in peft."""
     import csv
+    import os
     import subprocess
 
+    import yaml
+    from peft import PeftModel
+
+    from helpers import REPO
+    from lit_rl.eval.logging import read_eval_metrics
+    from online_eval_helpers import ScoreFixedIds
     from test_cli import run
-    from test_grpo_cli import grpo_args
+    from test_grpo_cli import CONFIG, grpo_args
 
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(40))
     root = tmp_path / "run"
-    result = run(grpo_args(root, data, tiny_model_path, 3, "--model.init_args.random_init", "true",
-                           "--model.init_args.lora.rank", "8", "--model.init_args.lora.alpha", "16",
-                           "--model.init_args.kl_coef", "0.05", "--model.init_args.optimizer.init_args.lr", "0.02",
-                           "--data.init_args.max_staleness", "0"))
+    config = yaml.safe_load(open(CONFIG))
+    config["trainer"]["callbacks"].append({"class_path": "lit_rl.callbacks.OnlineEval", "init_args": {
+        "server": {"dtype": "float32", "max_model_len": 256, "enforce_eager": True}, "final_timeout": 300,
+        "envs": [{"class_path": "online_eval_helpers.ScoreFixedIds"}]}})
+    (tmp_path / "grpo_lora.yaml").write_text(yaml.safe_dump(config))
+    args = grpo_args(root, data, tiny_model_path, 3, "--model.init_args.random_init", "true",
+                     "--model.init_args.lora.rank", "8", "--model.init_args.lora.alpha", "16",
+                     "--model.init_args.kl_coef", "0.05", "--model.init_args.optimizer.init_args.lr", "0.02",
+                     "--data.init_args.max_staleness", "0")
+    args[args.index(CONFIG)] = str(tmp_path / "grpo_lora.yaml")
+    result = run(args, env={"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])})
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [r for path in root.glob("logs/version_*/metrics.csv") for r in csv.DictReader(open(path))
             if r.get("train/mismatch_kl")]
@@ -114,10 +130,22 @@ def test_grpo_with_lora_serves_the_trained_adapter_and_syncs_only_the_adapter(tm
     assert float(rows[-1]["train/kl_to_reference"]) > 1e-4  # the served adapter is not the base
     assert all(float(r["train/weight_sync_s"]) > 0 for r in rows[:-1])
     base_bytes = (base_dir(root) / "model.safetensors").stat().st_size
-    for synced in sorted((root / "sync").glob("step_*")):
-        assert not (synced / "model.safetensors").exists(), synced
-        assert (synced / ADAPTER_WEIGHTS).stat().st_size * 5 < base_bytes, synced
+    synced = sorted((root / "sync").glob("step_*"))
+    assert synced
+    for path in synced:
+        assert not (path / "model.safetensors").exists(), path
+        assert (path / ADAPTER_WEIGHTS).stat().st_size * 5 < base_bytes, path
     assert "lit-rl-policy" in (root / "vllm.log").read_text()
+
+    (log_dir,) = [p.parent for p in root.glob("logs/version_*/eval_metrics.csv")]  # beside the trainer's metrics
+    served = {r["step"]: r["value"] for r in read_eval_metrics(log_dir) if r["name"] == "eval/score/logprob_sum"}
+    assert sorted(served) == [0, 3], served
+    ids = ScoreFixedIds.IDS
+    for step, value in served.items():
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir(root)), step_dir(root, step))
+        lp = torch.log_softmax(logits(model, ids)[0].double(), -1)
+        assert value == pytest.approx(sum(lp[i - 1, ids[i]].item() for i in range(1, len(ids))), abs=1e-3), step
+    assert abs(served[0] - served[3]) > 1e-2  # a stale adapter (or the base) at step 3 would show
     left = subprocess.run(["pgrep", "-f", str(root)], capture_output=True, text=True).stdout.split()
     assert not left, f"processes left behind: {left}"
 
@@ -157,35 +185,3 @@ def test_a_resumed_lora_run_continues_exactly(tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=0, rtol=0, msg=name)
-
-
-@pytest.mark.slow
-def test_lit_rl_evaluate_serves_each_lora_step_on_its_base(tmp_path):
-    """`lit-rl evaluate` on a LoRA run: the server starts on the adapters' base with LoRA on and
-    each step's adapter is loaded by name; the served log-probabilities of fixed ids are those of
-    that step's adapted model in peft (steps 1 and 2 differ, so a stale adapter would show)."""
-    import subprocess
-    import sys
-
-    from peft import PeftModel
-
-    from helpers import REPO
-    from lit_rl.eval.logging import read_eval_metrics
-    from online_eval_helpers import ScoreFixedIds
-
-    _, _, root = lora_sft(tmp_path, 2, [HFExport(every_n_steps=1)])
-    result = subprocess.run(
-        [sys.executable, "-m", "lit_rl.cli", "evaluate", "--run-dir", str(root), "--env", "online_eval_helpers.ScoreFixedIds",
-         "--server", json.dumps({"dtype": "float32", "max_model_len": 256, "enforce_eager": True})],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-        env={**__import__("os").environ, "PYTHONPATH": str(REPO / "tests")})
-    assert result.returncode == 0, result.stderr[-4000:]
-    served = {r["step"]: r["value"] for r in read_eval_metrics(root / "evals") if r["name"] == "eval/score/logprob_sum"}
-    assert sorted(served) == [1, 2]
-    ids = ScoreFixedIds.IDS
-    for step, value in served.items():
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir(root)), step_dir(root, step))
-        lp = torch.log_softmax(logits(model, ids)[0].double(), -1)
-        expected = sum(lp[i - 1, ids[i]].item() for i in range(1, len(ids)))
-        assert value == pytest.approx(expected, abs=1e-3), step
-    assert abs(served[1] - served[2]) > 1e-2
