@@ -508,8 +508,10 @@ def test_a_killed_server_reaches_the_request_the_buffer_and_the_teacher_in_bound
             async with server.client(max_retries=2) as client:
                 await asyncio.to_thread(drain, sampler)  # first: draining can take longer than the request
                 await asyncio.to_thread(drain, distiller)
-                request = asyncio.create_task(client.generate([1, 2, 3], max_tokens=1000, ignore_eos=True))
-                await asyncio.sleep(0.5)
+                # the longest the server allows (max_model_len 1024); on an idle machine the tiny model
+                # finished 1,000 tokens within 0.5 s once, so the kill comes 0.1 s after the request
+                request = asyncio.create_task(client.generate([1, 2, 3], max_tokens=1020, ignore_eos=True))
+                await asyncio.sleep(0.1)
                 assert not request.done(), outcome(request, server)
                 os.killpg(pgid, signal.SIGKILL)  # a crash: no graceful shutdown
                 killed_at = time.monotonic()
