@@ -50,6 +50,10 @@ class ReloadRefused(ValueError):
     """lit-rl refused to send a weight-reload path (outside the run directory, or not STABLE)."""
 
 
+class AdapterRefused(InferenceRequestError):
+    """The server cannot load a LoRA adapter: no run-time loading, or a rank above its --max-lora-rank."""
+
+
 @dataclass(frozen=True)
 class Completion:
     prompt_ids: list[int]  # the ids the server conditioned on
@@ -269,9 +273,13 @@ class InferenceClient:
                     body={"lora_name": name, "lora_path": str(path), "load_inplace": True}))
             except InferenceRequestError as e:
                 if "(404)" in str(e):
-                    raise InferenceRequestError(
+                    raise AdapterRefused(
                         f"load_lora_adapter: {self.root_url} does not load LoRA adapters at run time: start vLLM with "
                         "--enable-lora --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True") from e
+                raise
+            except InferenceServerError as e:
+                if "max_lora_rank" in str(e):  # vLLM: "LoRA rank R is greater than max_lora_rank M"
+                    raise AdapterRefused(str(e)) from e
                 raise
 
         await self._swap(path, step, load)

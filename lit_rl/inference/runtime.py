@@ -52,7 +52,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lit_rl import stopping
 from lit_rl.errors import ConfigError
 from lit_rl.child_process import dies_with_parent, stop_process_group
-from lit_rl.inference.client import InferenceRequestError, InferenceServerError
+from lit_rl.inference.client import AdapterRefused
 from lit_rl.inference.endpoint import Endpoint, open_endpoint
 from lit_rl.inference.server import StartInterrupted
 from lit_rl.lora import lora_server_options
@@ -268,11 +268,9 @@ class InferenceRuntime(L.Callback):
 
         try:
             return asyncio.run(reload())
-        except (InferenceRequestError, InferenceServerError) as e:
-            if self.lora is not None and ("max_lora_rank" in str(e) or "run time" in str(e)):
-                where = "the policy's server" if self.base_url is None else f"inference.base_url {self.base_url}"
-                raise ConfigError(f"model.lora (rank {self.lora.rank}): {where} cannot serve this adapter: {e}") from e
-            raise
+        except AdapterRefused as e:
+            where = "the policy's server" if self.base_url is None else f"inference.base_url {self.base_url}"
+            raise ConfigError(f"model.lora (rank {self.lora.rank}): {where} cannot serve this adapter: {e}") from e
 
     def push_weights(self, trainer, pl_module, step: int) -> None:
         """Make the policy's server serve the current weights of `step`. The filesystem path:
@@ -361,4 +359,3 @@ class InferenceRuntime(L.Callback):
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self.stop()
-
