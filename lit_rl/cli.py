@@ -223,9 +223,18 @@ def main(argv: list[str] | None = None) -> None:
         run_command(args, argv)
     except Exception as e:
         message = user_message(e)
+        command = f" {args[0]}" if args and args[0] in COMMANDS else ""
+        if stopping.training_root is not None:  # a run that failed after training started: saved first
+            from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+            if rank_zero_only.rank == 0:
+                cause = message or f"{type(e).__name__}: {e}"
+                print(stopping.failure_summary(e, f"lit-rl{command}: error: {cause}"), file=sys.stderr, flush=True)
+            if debug():
+                raise
+            raise SystemExit(1) from None
         if message is None or debug():
             raise
-        command = f" {args[0]}" if args and args[0] in COMMANDS else ""
         print(f"lit-rl{command}: error: {message}\n(set {DEBUG_ENV}=1 to see the traceback)", file=sys.stderr)
         raise SystemExit(1) from None
 

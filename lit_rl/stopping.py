@@ -21,13 +21,23 @@ of the job), so the rules are:
 
 The exit code is 128 + the signal (143 for SIGTERM, 130 for Ctrl-C), and `lit_rl.cli` prints where
 the checkpoint is and how to resume as the last line (`summary`).
+
+A fatal error once a step was trained (a server that is gone for good, rollouts failing past
+their reject budget, a non-finite gradient) saves the same way before anything stops
+(`saves_on_failure`): then the run exits 1 with one message, the cause and how to resume
+(`failure_summary`), and the traceback goes to `<run>/error.log`. Under several processes a
+checkpoint is a collective, so only an error that every rank raises at the same point is saved:
+rank 0's errors of the batch and of the weight sync are broadcast for that (`raise_on_every_rank`,
+`RunFailed`); any other error of one rank saves nothing (the last checkpoint is named).
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import traceback
 from contextlib import contextmanager
+from pathlib import Path
 
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -40,12 +50,22 @@ stopped_at_step: int | None = None
 #: a second Ctrl-C cut the stop short; the newest checkpoint there is then, and its step
 aborted: bool = False
 latest_checkpoint: tuple[str, int] | None = None
+#: the training run in progress (set when training starts, cleared when it ends): its directory
+#: and the step it started from; an error while it is set is a failure of a started run
+training_root: str | None = None
+started_at_step: int = 0
 
 
-def reset(resumed_from: tuple[str, int] | None = None) -> None:
-    global stopped_by, saved_checkpoint, stopped_at_step, aborted, latest_checkpoint
+class RunFailed(RuntimeError):
+    """A fatal error of rank 0 (waiting for a batch, syncing weights), raised on every rank at the
+    same point so that they write the run's checkpoint together before it stops."""
+
+
+def reset(resumed_from: tuple[str, int] | None = None, root: str | None = None, step: int = 0) -> None:
+    global stopped_by, saved_checkpoint, stopped_at_step, aborted, latest_checkpoint, training_root, started_at_step
     stopped_by = saved_checkpoint = stopped_at_step = None
     aborted, latest_checkpoint = False, resumed_from
+    training_root, started_at_step = root, step
 
 
 def abort_now(signum, frame) -> None:
@@ -82,13 +102,40 @@ def stops_on_request(trainer, what: str):
         raise stop(trainer, f"{what} ended by the stop ({type(e).__name__}: {str(e)[:200]})") from None
 
 
+def raise_on_every_rank(trainer, error: BaseException | None, what: str) -> None:
+    """Collective: rank 0's `error` (None: none) reaches every rank. On one process the error is
+    raised as it is; on several every rank raises `RunFailed` with its message (rank 0's chained
+    to it), so that they save together (`saves_on_failure`)."""
+    if trainer.world_size == 1:
+        if error is not None:
+            raise error
+        return
+    message = f"{what}: {type(error).__name__}: {error}" if error is not None else None
+    message = trainer.strategy.broadcast(message, src=0)
+    if message is not None:
+        raise RunFailed(message) from error
+
+
+def saves_on_failure(trainer, exception: BaseException | None) -> bool:
+    """Whether `exception` ends a run whose checkpoint is written first: an error (not a stop or
+    a second Ctrl-C) after a step of this run was trained, raised on every rank together (on one
+    process, any error; on several, `RunFailed`)."""
+    if not isinstance(exception, Exception) or training_root is None:
+        return False
+    if trainer.global_step <= started_at_step:  # nothing trained since the last checkpoint or the start
+        return False
+    return trainer.world_size == 1 or isinstance(exception, RunFailed)
+
+
 def save_before_stopping(trainer, exception: BaseException | None) -> None:
-    """Write the resumable checkpoint of a graceful stop now, before servers or the evaluator are
-    stopped (idempotent: the checkpoint callback's own `on_exception` then finds it written)."""
-    if not isinstance(exception, SIGTERMException):
+    """Write the resumable checkpoint of a graceful stop or of a fatal error now, before servers or
+    the evaluator are stopped (idempotent: the checkpoint callback's own `on_exception` then finds
+    it written)."""
+    failed = saves_on_failure(trainer, exception)
+    if not (failed or isinstance(exception, SIGTERMException)):
         return
     for callback in getattr(trainer, "checkpoint_callbacks", []):
-        save = getattr(callback, "save_on_stop", None)
+        save = getattr(callback, "save_on_failure" if failed else "save_on_stop", None)
         if callable(save):
             save(trainer)
 
@@ -100,6 +147,29 @@ def summary(signum: int) -> str:
         return f"lit-rl: stopped by {name}; no checkpoint was written (checkpointing is off)"
     return (f"lit-rl: stopped by {name} after step {stopped_at_step}; resumable checkpoint: {saved_checkpoint}; "
             "resume: the same command with --ckpt_path last")
+
+
+def failure_summary(exception: BaseException, message: str) -> str:
+    """What a run that failed after training started prints: the cause (`message`), where its
+    checkpoint is and how to resume, and where the traceback went (`<run>/error.log`)."""
+    lines = [message]
+    if saved_checkpoint is not None:
+        lines.append(f"lit-rl: resumable checkpoint written after the error: {saved_checkpoint} (step {stopped_at_step}); "
+                     "resume: the same command with --ckpt_path last")
+    elif latest_checkpoint is not None:
+        path, step = latest_checkpoint
+        lines.append(f"lit-rl: no checkpoint was written for this error; the last one is {path} (step {step}); "
+                     "resume: the same command with --ckpt_path last")
+    else:
+        lines.append("lit-rl: no checkpoint of this run was written")
+    if training_root is not None:
+        log_path = Path(training_root) / "error.log"
+        try:
+            log_path.write_text("".join(traceback.format_exception(exception)))
+            lines.append(f"(the traceback is in {log_path}; LIT_RL_DEBUG=1 prints it)")
+        except OSError:
+            lines.append("(set LIT_RL_DEBUG=1 to see the traceback)")
+    return "\n".join(lines)
 
 
 def aborted_summary() -> str:

@@ -103,6 +103,19 @@ class CtrlCTwice(L.Callback):
             os.kill(os.getpid(), signal.SIGINT)
 
 
+class NaNLossAtStep(L.Callback):
+    """Makes the input embeddings NaN from step `step` on (a forward hook), so that the loss and
+    the gradients are: the step must not be applied."""
+
+    def __init__(self, step: int):
+        self.step, self._hook = step, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step and self._hook is None:
+            embeddings = pl_module.model.get_input_embeddings()
+            self._hook = embeddings.register_forward_hook(lambda module, args, out: out * float("nan"))
+
+
 class ScoreFixedIds(ReverseTextEnv):
     """An eval whose metric is the served model's log-probability of fixed token ids: a test
     compares it with the checkpoint's own in transformers, so it shows which weights were served."""

@@ -150,3 +150,29 @@ def test_signal_saves_a_resumable_checkpoint(tmp_path, sig, code):
     out = run(fit(root, data, ckpt["global_step"] + 1, "--ckpt_path", "last"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert max(losses(root)) == ckpt["global_step"]  # exactly one more step, numbered after the saved ones
+
+
+def test_a_non_finite_gradient_stops_the_run_with_its_checkpoint_written(tmp_path, lit_rl_main):
+    """A NaN loss at step 2 is a fatal error: the step is not applied, last.ckpt of step 2 is
+    written first (its weights finite, equal to the step-2 export), and the run exits 1 with one
+    message (cause, checkpoint, resume command; the traceback in error.log). Resumed, it goes on
+    from step 2."""
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(64))
+    root = tmp_path / "run"
+    code, _, stderr = lit_rl_main(fit(root, data, 6, "--trainer.callbacks+=online_eval_helpers.NaNLossAtStep",
+                                      "--trainer.callbacks.step=2", "--trainer.callbacks+=lit_rl.callbacks.HFExport",
+                                      "--trainer.callbacks.every_n_steps=1"))
+    assert code == 1 and "Traceback" not in stderr, stderr[-3000:]
+    ckpt_path = root / "checkpoints" / "last.ckpt"
+    lines = stderr.strip().splitlines()
+    assert "training step 2: the gradient norm is nan" in stderr, stderr[-3000:]
+    assert f"resumable checkpoint written after the error: {ckpt_path} (step 2)" in stderr, stderr[-3000:]
+    assert "error.log" in lines[-1] and "Traceback" in (root / "error.log").read_text()
+    ckpt = torch.load(ckpt_path, weights_only=False, map_location="cpu")
+    assert ckpt["global_step"] == 2 and max(losses(root)) == 1
+    exported = load_file(root / "weights" / "step_2" / "model.safetensors")
+    saved = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()}
+    assert exported and all(torch.equal(saved[k], v) for k, v in exported.items())  # the step was not applied
+    code, _, stderr = lit_rl_main(fit(root, data, 4, "--ckpt_path", "last"))
+    assert code == 0, stderr[-3000:]
+    assert sorted(losses(root)) == [0, 1, 2, 3]  # the failed step was trained again, under its own number

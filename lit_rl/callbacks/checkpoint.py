@@ -13,10 +13,12 @@ Ctrl-C is made graceful: the first press finishes the current optimizer step, sa
 exits (code 130); a second press aborts at once, even mid-save (the last whole checkpoint
 stays; the exit line names it). SIGTERM does the same (code 143). In a run
 with inference servers the save comes before any server stops (`lit_rl.stopping`).
+A fatal error after a step was trained saves `last.ckpt` too, before the run stops (exit 1).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -27,6 +29,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_rl import stopping
+
+log = logging.getLogger(__name__)
 
 
 def _replace(new: str, path: str) -> None:
@@ -103,6 +107,7 @@ class RunCheckpoint(ModelCheckpoint):
     def on_train_end(self, trainer, pl_module) -> None:
         self._save_last_now(trainer)
         self._restore_sigint()
+        stopping.training_root = None  # errors from here on are not failures of the training
 
     def on_validation_end(self, trainer, pl_module) -> None:
         pass  # last.ckpt follows optimizer steps, not validation
@@ -113,7 +118,8 @@ class RunCheckpoint(ModelCheckpoint):
     # ---- graceful stops ----------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
         resumed = trainer.ckpt_path if trainer.ckpt_path and os.path.exists(trainer.ckpt_path) else None
-        stopping.reset(resumed_from=(resumed, trainer.global_step) if resumed else None)
+        stopping.reset(resumed_from=(resumed, trainer.global_step) if resumed else None,
+                       root=trainer.default_root_dir, step=trainer.global_step)
 
         def first_ctrl_c(signum, frame):
             stopping.stopped_by = signal.SIGINT
@@ -135,14 +141,36 @@ class RunCheckpoint(ModelCheckpoint):
         """The checkpoint of a graceful stop (idempotent); `lit_rl.stopping` calls it before any
         server is stopped, `on_exception` otherwise."""
         stopping.stopped_by = stopping.stopped_by or signal.SIGTERM
+        self._save_before_exit(trainer, "stopping: checkpoint written")
+
+    def save_on_failure(self, trainer) -> None:
+        """The checkpoint of a run that fails after training started (`stopping.saves_on_failure`;
+        idempotent). A failure to write it is logged, and the run's own error is what is raised."""
+        loop = trainer.fit_loop.epoch_loop
+        progress = loop.batch_progress.total
+        # Failed inside a step: Lightning, restarting from a checkpoint, counts one more logged step
+        # unless it was saved at a step's end, so the count is saved one lower (the resumed run then
+        # logs its first step under the number of the step that failed, as an uninterrupted run).
+        mid_step = int(progress.processed < progress.started)
+        loop._batches_that_stepped -= mid_step
+        try:
+            self._save_before_exit(trainer, "the run failed; checkpoint written first")
+        except Exception as e:
+            log.error("RunCheckpoint: could not write the checkpoint after the run failed: %r", e)
+        finally:
+            loop._batches_that_stepped += mid_step
+
+    def _save_before_exit(self, trainer, what: str) -> None:
         if stopping.saved_checkpoint is not None and stopping.stopped_at_step == trainer.global_step:
             return
         self._save_last_now(trainer)
         stopping.saved_checkpoint = self._last_checkpoint_saved
         stopping.stopped_at_step = trainer.global_step
-        rank_zero_info(f"stopping: checkpoint written: {self._last_checkpoint_saved} (step {trainer.global_step})")
+        rank_zero_info(f"{what}: {self._last_checkpoint_saved} (step {trainer.global_step})")
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._restore_sigint()
         if isinstance(exception, SIGTERMException):
             self.save_on_stop(trainer)
+        elif stopping.saves_on_failure(trainer, exception):
+            self.save_on_failure(trainer)

@@ -11,15 +11,16 @@ from lit_rl.rollouts.buffer import sample_from_dict, sample_to_dict
 
 
 def to_wire(payload: dict) -> dict:
-    """A step's payload as plain data for a broadcast (samples as dicts)."""
-    if payload.get("stop"):
+    """A step's payload as plain data for a broadcast (samples as dicts); one without samples (a
+    stop, rank 0's error) as it is."""
+    if "samples" not in payload:
         return payload
     return {**payload, "samples": [sample_to_dict(s) for s in payload["samples"]],
             "replay": {k: [sample_to_dict(s) for s in v] for k, v in payload["replay"].items()}}
 
 
 def from_wire(payload: dict) -> dict:
-    if payload.get("stop"):
+    if "samples" not in payload:
         return payload
     return {**payload, "samples": [sample_from_dict(d) for d in payload["samples"]],
             "replay": {k: [sample_from_dict(d) for d in v] for k, v in payload["replay"].items()}}

@@ -23,6 +23,8 @@ from contextlib import nullcontext
 
 import torch
 
+from lit_rl import stopping
+
 
 def trained_tokens(micro_batch: dict[str, torch.Tensor]) -> float:
     """Tokens whose prediction is trained (the first token of a row is predicted from nothing)."""
@@ -167,6 +169,11 @@ class TrainingStep:
         """Clip, step, free the gradients, advance the schedule; the gradient norm and the lr used."""
         optimizer = self.optimizers()
         grad_norm = self._clip_and_measure_grad_norm()
+        if not torch.isfinite(grad_norm):  # the norm over every rank: each raises here together
+            optimizer.zero_grad(set_to_none=True)
+            raise stopping.RunFailed(
+                f"training step {self.trainer.global_step}: the gradient norm is {float(grad_norm)} (a non-finite loss or "
+                "gradient); the step was not applied, the weights are those of the step before")
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         # Gradients are freed at once, not at the next step: validation, exports and checkpoints
