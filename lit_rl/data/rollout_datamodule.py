@@ -6,7 +6,7 @@ advantages, packed by the same `build_step` as static data. The buffer runs on i
 event loop thread (`ThreadedRolloutBuffer`); the trainer side only asks for the next batch.
 This module is only about data: where the samples come from, how they are shaped, and where
 the run is in them. The servers it samples from belong to the run's `InferenceRuntime`
-(`lit_rl.inference.runtime`), which starts and syncs them; this module asks it for clients
+(`lit_rl.inference.runtime`), which starts, syncs and restarts them; this module asks it for clients
 and for the policy version they serve.
 
 Why batches are drawn inside the step: Lightning fetches one batch ahead of the step it
@@ -294,6 +294,7 @@ class RolloutDataModule(L.LightningDataModule):
             teacher=runtime.client_factory("teacher", tokenizer=tokenizer) if teacher_scores else None,
             teacher_top_k=teacher_top_k,
             source=self.source,
+            servers=runtime.restarts,  # restarts a server lit-rl started that died; its rollouts are made again
         )
         if self._saved_state is not None:
             buffer.load_state_dict(self._saved_state)
@@ -377,27 +378,37 @@ class RolloutDataModule(L.LightningDataModule):
         """The next batch on every rank (rank 0 draws it and broadcasts it as plain data), its
         trace written; checked to be the batch this step trains."""
         trainer = self.trainer
-        payload = None
+        payload, failed = None, None
         if trainer.is_global_zero:
-            batch = self._wait_for_batch()
-            if batch is None:
-                payload = {"stop": True}
-            else:
-                if batch.first_step != first_step:
-                    raise RuntimeError(f"step {first_step} drew rollout batch {batch.index}, which belongs to step "
-                                       f"{batch.first_step}: the rollouts' state and the trainer's step disagree")
-                replay = self.mix.take()
-                payload = {"samples": list(batch), "staleness": list(batch.staleness), "replay": replay,
-                           "metrics": self.rollouts.metrics(), "progress": self.rollouts.progress()}
-                trace_batch(self._root(), first_step, batch, replay)
+            try:
+                payload = self._rank_zero_payload(first_step)
+            except Exception as e:  # under several ranks every rank fails with it, and they save together
+                if trainer.world_size == 1:
+                    raise
+                failed, payload = e, {"error": f"waiting for the batch of step {first_step}: {type(e).__name__}: {e}"}
         if trainer.world_size > 1:  # plain data across ranks, samples as dicts
             payload = from_wire(trainer.strategy.broadcast(to_wire(payload) if payload is not None else None, src=0))
+        if "error" in payload:
+            raise stopping.RunFailed(payload["error"]) from failed
         if payload.get("stop"):  # every rank abandons the step before training any of it
             raise stopping.stop(trainer, f"step {trainer.global_step} abandoned while waiting for its batch")
         if trainer.world_size > 1:
             mine = rank_share(payload["samples"], trainer.global_rank, trainer.world_size)
             trace_share(self._root(), first_step, trainer.global_rank, mine)
         return payload
+
+    def _rank_zero_payload(self, first_step: int) -> dict:
+        """Rank 0: the step's batch (its trace written), or a stop."""
+        batch = self._wait_for_batch()
+        if batch is None:
+            return {"stop": True}
+        if batch.first_step != first_step:
+            raise RuntimeError(f"step {first_step} drew rollout batch {batch.index}, which belongs to step "
+                               f"{batch.first_step}: the rollouts' state and the trainer's step disagree")
+        replay = self.mix.take()
+        trace_batch(self._root(), first_step, batch, replay)
+        return {"samples": list(batch), "staleness": list(batch.staleness), "replay": replay,
+                "metrics": self.rollouts.metrics(), "progress": self.rollouts.progress()}
 
     def _build_step(self, samples: list, payload: dict) -> dict:
         """This rank's share of a batch as a step of micro-batches."""

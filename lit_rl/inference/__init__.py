@@ -6,6 +6,7 @@
     client.py   InferenceClient (generate / chat / score / reload_weights over the OpenAI API)
     gpus.py     plan_gpus (split one node's GPUs between training and the server)
     runtime.py  InferenceRuntime (the one owner of a training run's servers: start, weight sync, stop)
+    restarts.py ServerRestarts (the runtime's: restarts a server it started that died or hangs)
 """
 
 from lit_rl.inference.client import (

@@ -26,6 +26,12 @@ Lifecycle (rank 0 owns the processes; exports are collective):
                         rollouts (requests in flight aborted), then the evaluator and the
                         servers, together (SIGTERM to each process group, SIGKILL after a grace).
 
+Servers that die: a server lit-rl started (the policy's or the teacher's) that exits or stops
+answering its health check is started again on the same port, the policy's serving the newest
+synced weights with the same version, and every request that failed because of it is made again
+(`lit_rl.inference.restarts`); at most `max_server_restarts` per run, then the run fails, its
+checkpoint written first (`lit_rl.stopping`).
+
 With a LoRA adapter (`model.init_args.lora`) the policy's server serves the frozen base
 (`weights/base`, written once) with vLLM's LoRA support on, and a sync loads only the adapter, in
 place, under one name (`ADAPTER_NAME`, which every rollout asks for): the same pause, prefix-cache
@@ -52,8 +58,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lit_rl import stopping
 from lit_rl.errors import ConfigError
 from lit_rl.child_process import dies_with_parent, stop_process_group
-from lit_rl.inference.client import AdapterRefused
+from lit_rl.inference.client import AdapterRefused, InferenceServerError
 from lit_rl.inference.endpoint import Endpoint, open_endpoint
+from lit_rl.inference.restarts import ServerRestarts
 from lit_rl.inference.server import StartInterrupted
 from lit_rl.lora import lora_server_options
 from lit_rl.run_dir import base_dir, lease
@@ -74,6 +81,8 @@ class InferenceRuntime(L.Callback):
         teacher_server: dict | None = None,
         sync_timeout: float = 300.0,
         logprobs_mode: str | None = None,
+        max_server_restarts: int = 3,
+        health_check_interval: float = 10.0,
     ):
         """
         Args:
@@ -95,11 +104,18 @@ class InferenceRuntime(L.Callback):
                 which vLLM does not report: ``processed_logprobs`` lets a run sample at temperature
                 != 1 or with top-k/top-p (the trainer compares the sampled distribution's logprobs,
                 `lit_rl.sampling_process`). The servers lit-rl starts always use it.
+            max_server_restarts: how many times in a run the servers lit-rl started may be
+                restarted after one died or stopped answering (all roles together); 0: never,
+                the first such failure ends the run (its checkpoint written first).
+            health_check_interval: seconds between the watchdog's checks of those servers
+                (process alive, `/health` answers); None or 0: no watchdog, a dead server is
+                found by the next request that fails.
         """
         self.base_url, self.api_key, self.server = base_url, api_key, dict(server or {})
         self.teacher_model, self.teacher_base_url = teacher_model, teacher_base_url
         self.teacher_api_key, self.teacher_server = teacher_api_key, dict(teacher_server or {})
         self.logprobs_mode = logprobs_mode
+        self.max_server_restarts, self.health_check_interval = max_server_restarts, health_check_interval
         problems = self.option_problems()
         if problems:
             raise ValueError("inference: " + "; ".join(problems))
@@ -117,6 +133,9 @@ class InferenceRuntime(L.Callback):
         self._lease = None
         self._exporter = None
         self.lora = None  # the policy's LoRAOptions, read from the module when training starts
+        self._served: Path | None = None  # the newest weights the policy's server was made to serve
+        self._trainer = None
+        self.restarts = self._new_restarts()
 
     # ---- what the run's parts declare and ask ---------------------------------------------------
     @staticmethod
@@ -141,6 +160,11 @@ class InferenceRuntime(L.Callback):
         if self.logprobs_mode not in (None, "raw_logprobs", "processed_logprobs"):
             problems.append(f"inference.logprobs_mode must be raw_logprobs or processed_logprobs (the existing "
                             f"server's --logprobs-mode), got {self.logprobs_mode!r}")
+        if not (isinstance(self.max_server_restarts, int) and self.max_server_restarts >= 0):
+            problems.append(f"inference.max_server_restarts must be an integer >= 0, got {self.max_server_restarts!r}")
+        if self.health_check_interval is not None and self.health_check_interval < 0:
+            problems.append(f"inference.health_check_interval must be >= 0 seconds (0: no watchdog), got "
+                            f"{self.health_check_interval!r}")
         if self.teacher_server and not self.teacher_model:
             problems.append("inference.teacher_server options need inference.teacher_model (the model to start a "
                             "server for)")
@@ -188,8 +212,10 @@ class InferenceRuntime(L.Callback):
                                "(a RolloutDataModule does); no server is started")
             return
         step = trainer.global_step
+        self._trainer, self.restarts = trainer, self._new_restarts()
         self.lora = getattr(pl_module, "lora", None) if self.serves_policy else None
         weights = self._export(trainer, pl_module, step) if self.serves_policy else None
+        self._served = weights
         if trainer.is_global_zero:
             started = time.perf_counter()
             with stopping.stops_on_request(trainer, "starting the inference servers"):
@@ -199,6 +225,7 @@ class InferenceRuntime(L.Callback):
                     raise stopping.stop(trainer, "stopped while an inference server was starting") from None
             what = f"the weights of step {step}" if self.serves_policy else "the teacher"
             rank_zero_info(f"InferenceRuntime: serving {what} ({time.perf_counter() - started:.0f} s to start)")
+            self.restarts.start_watchdog()
         trainer.strategy.barrier("inference_start")
         if self.serves_policy:
             self.policy_version = step
@@ -208,7 +235,7 @@ class InferenceRuntime(L.Callback):
         from lit_rl.rollouts.teacher import tokenizer_mismatch
 
         root = Path(trainer.default_root_dir).resolve()
-        interrupt = lambda: stopping.requested(trainer)  # noqa: E731
+        interrupt = self._interrupted
         tokenizer = None
         if self.serves_teacher:  # before any server starts: a teacher must read the policy's ids as it does
             tokenizer = load_tokenizer(self.tokenizer_name, trust_remote_code=self.trust_remote_code)
@@ -259,7 +286,43 @@ class InferenceRuntime(L.Callback):
             self._exporter = found[0] if found else HFExport()  # the run's exporter owns every export
         return self._exporter.sync_export(trainer, pl_module, step)
 
+    def _new_restarts(self) -> ServerRestarts:
+        return ServerRestarts(
+            self.max_server_restarts, self.health_check_interval, interrupted=self._interrupted,
+            servers=lambda: {role: endpoint.server for role, endpoint in self.endpoints.items()},
+            after_start=self._serve_again)
+
+    @property
+    def server_restarts(self) -> int:
+        """Restarts of the servers lit-rl started, in this run."""
+        return self.restarts.count
+
+    def _interrupted(self) -> bool:
+        """Whether a server start should give up: a stop was asked for, or the servers are stopping."""
+        return self.restarts.closing or stopping.requested(self._trainer)
+
+    def _serve_again(self, role: str) -> str:
+        """After a restart: the policy's server serves the newest synced weights again."""
+        if role != "policy" or self._served is None:
+            return "the teacher" if role == "teacher" else "its model"
+        self._load(self._served)
+        return f"the weights of step {self.policy_version}"
+
     def _reload(self, weights: Path) -> int:
+        """The policy's server serves `weights` (its version: their step), restarting it first if
+        it died (`ServerRestarts.recover`)."""
+        while True:
+            seen = self.restarts.generation("policy")
+            try:
+                with self.restarts.lock:
+                    version = self._load(weights)
+                    self._served = weights
+                    return version
+            except (InferenceServerError, TimeoutError) as e:  # TimeoutError: sync_timeout
+                if not self.restarts.recover("policy", seen, e):
+                    raise
+
+    def _load(self, weights: Path) -> int:
         async def reload() -> int:
             async with self.endpoints["policy"].client() as client:
                 if self.lora is None:
@@ -274,17 +337,22 @@ class InferenceRuntime(L.Callback):
 
     def push_weights(self, trainer, pl_module, step: int) -> None:
         """Make the policy's server serve the current weights of `step`. The filesystem path:
-        export (collective), then reload on rank 0. A GPU subclass may push tensors instead."""
+        export (collective), then reload on rank 0, its error raised on every rank. A GPU subclass
+        may push tensors instead."""
         weights = self._export(trainer, pl_module, step)
+        error = None
         if trainer.is_global_zero:
-            self._reload(weights)
+            try:
+                self._reload(weights)
+            except Exception as e:
+                error = e
+        stopping.raise_on_every_rank(trainer, error, f"the weight sync of step {step}")
 
     def sync(self, trainer, pl_module, step: int) -> None:
         """After optimizer step `step`: the policy's server serves its weights, and the listeners
         hear of version `step`. Collective."""
         with stopping.stops_on_request(trainer, f"the weight sync of step {step}"):
             self.push_weights(trainer, pl_module, step)
-        trainer.strategy.barrier("weight_sync")
         self.policy_version = step
         if trainer.is_global_zero:
             for listener in self._listeners:
@@ -301,6 +369,8 @@ class InferenceRuntime(L.Callback):
             self.sync(trainer, pl_module, step)
             self.last_sync_s = time.perf_counter() - started
         pl_module.log("train/weight_sync_s", self.last_sync_s, on_step=True, on_epoch=False, batch_size=1)
+        pl_module.log("train/server_restarts", float(self.server_restarts), on_step=True, on_epoch=False,
+                      batch_size=1, rank_zero_only=True)
 
     # ---- the evaluator --------------------------------------------------------------------------
     def start_evaluator(self, command: list[str], *, env: dict[str, str], log_path: Path,
@@ -335,6 +405,7 @@ class InferenceRuntime(L.Callback):
     def stop(self) -> None:
         """Stop everything this run serves from (idempotent): the listeners' rollouts first, then
         the evaluator and the servers together."""
+        self.restarts.close()  # the watchdog and any restart under way give up
         callbacks, self._before_stop, self._listeners = self._before_stop, [], []
         for callback in callbacks:
             callback()

@@ -346,18 +346,32 @@ class VLLMServer:
                 )
             time.sleep(0.5)
 
-    def _get(self, path: str) -> bool:
+    def _get(self, path: str, timeout: float = 5.0) -> bool:
         req = urllib.request.Request(self.root_url + path)
         if self.api_key:
             req.add_header("Authorization", f"Bearer {self.api_key}")
         try:
-            with urllib.request.urlopen(req, timeout=5) as r:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status == 200
         except (urllib.error.URLError, OSError):
             return False
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        """Running, and its `/health` answers 200 within `timeout` seconds."""
+        return self.alive() and self._get("/health", timeout)
+
+    def wait_port_free(self, timeout: float = 30.0) -> bool:
+        """After a stop: wait until nothing listens on this server's port any more (a restart
+        binds the same one, so that clients keep their address)."""
+        deadline = time.monotonic() + timeout
+        while not port_free(self.host, self.port):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        return True
 
     def stop(self) -> None:
         """SIGTERM the whole process group, SIGKILL whatever is left after `stop_timeout`. Idempotent."""

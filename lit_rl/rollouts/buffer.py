@@ -45,7 +45,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from lit_rl.data.samples import SAMPLERS, Sample, SampleGroup
 from lit_rl.inference.client import InferenceClient, InferenceServerError
@@ -68,6 +68,21 @@ class RolloutError(RuntimeError):
 
 class _ContractError(Exception):
     """An environment returned something the buffer cannot train on (not retried)."""
+
+
+class TeacherServerError(InferenceServerError):
+    """The teacher's server failed while scoring a group (as opposed to the server sampled from)."""
+
+
+class ServerRecovery(Protocol):
+    """Restarts dead servers (a run's `lit_rl.inference.restarts.ServerRestarts`): `generation(role)`
+    counts the restarts of the role's server; `recover(role, seen, error)` (blocking) returns True
+    when the server was restarted since generation `seen`, False when the error stands, and raises
+    when the server is gone for good."""
+
+    def generation(self, role: str) -> int: ...
+
+    def recover(self, role: str, seen: int, error: BaseException | None = None) -> bool: ...
 
 
 def _server_error(error: BaseException | None) -> InferenceServerError | None:
@@ -120,6 +135,7 @@ class RolloutBuffer:
         teacher: InferenceClient | Callable[[], InferenceClient] | None = None,
         teacher_top_k: int = 0,
         source: str = "policy",
+        servers: ServerRecovery | None = None,
     ) -> None:
         """
         Args:
@@ -167,6 +183,12 @@ class RolloutBuffer:
                 None (they are not the policy's: no staleness, exempt from logprob filters);
                 the version advances as batches are drawn, so `max_staleness` bounds how many
                 batches generation runs ahead of the consumer (it would race ahead unbounded).
+            servers: who restarts the servers when one dies (a training run's `InferenceRuntime`):
+                an attempt that fails with a server error asks it to `recover` that server, and
+                if the server was restarted since the attempt began, the attempt is made again
+                from the start, not counted as a retry (its partial result discarded); a server
+                that is gone for good is fatal at once. None: server errors are retried and
+                then fatal, as above.
         """
         max_concurrency = batch_size if max_concurrency is None else max_concurrency
         filters = default_filters() if filters is None else tuple(filters)
@@ -231,6 +253,7 @@ class RolloutBuffer:
         self.requests_per_minute, self.seed = requests_per_minute, seed
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.source = source
+        self.servers = servers
 
         self._tasks_list: list[dict] | None = None
         self._perm: tuple[int, list[int]] | None = None  # (epoch, shuffled task indices)
@@ -245,7 +268,7 @@ class RolloutBuffer:
         self._consecutive_failures = 0
         self._started_at = 0.0
         self._session_tokens = 0  # completion tokens generated since start (for tokens/s)
-        self.counters = {"failed": 0, "skipped_zero_advantage": 0, "filtered": 0, "retries": 0,
+        self.counters = {"failed": 0, "skipped_zero_advantage": 0, "filtered": 0, "retries": 0, "reissued": 0,
                          "completion_tokens": 0, **{f"flagged_{name}": 0 for name in names}}
         self._last: dict[str, float] = {}  # metrics of the last popped batch
         self._teacher_s = 0.0  # seconds spent in teacher scoring, over scored groups
@@ -426,21 +449,51 @@ class RolloutBuffer:
                              chat_template_kwargs=dict(self.chat_template_kwargs))
         task = self._env_tasks()[index]
         error: Exception | None = None
-        for attempt in range(self.num_retries + 1):
+        attempt = 0
+        while attempt <= self.num_retries:
             if attempt:
                 self.counters["retries"] += 1
                 await asyncio.sleep(self.retry_backoff * 2 ** (attempt - 1))
             await self._pace()
+            generations = self._generations()
             try:
                 samples = await asyncio.wait_for(self._attempt(task, ctx, draw, index), self.rollout_timeout)
             except _ContractError as e:
                 return self._fatal(RolloutError(str(e)))
             except Exception as e:  # CancelledError is not an Exception: cancellation passes through
-                error = e
                 log.debug("%s failed (attempt %d): %r", self._where(draw, index), attempt + 1, e)
+                try:
+                    if await self._server_restarted(e, generations):
+                        self.counters["reissued"] += 1  # the whole rollout again, on the new server
+                        continue
+                except Exception as gone:
+                    fatal = RolloutError(f"the inference server failed ({self._where(draw, index)}): {gone}")
+                    fatal.__cause__ = gone
+                    return self._fatal(fatal)
+                error = e
+                attempt += 1
                 continue
             return self._accept(task_id, draw, index, version, samples)
         self._give_up(task_id, draw, index, error)
+
+    def _generations(self) -> dict[str, int]:
+        """The restart count of each server this buffer uses, as an attempt begins."""
+        if self.servers is None:
+            return {}
+        roles = {self.source} | ({"teacher"} if self._teacher is not None else set())
+        return {role: self.servers.generation(role) for role in roles}
+
+    async def _server_restarted(self, error: Exception, generations: dict[str, int]) -> bool:
+        """Whether `error` came from a server that is restarted since the attempt began (asking
+        `servers` to restart it if it is dead: blocking, so on a worker thread)."""
+        server = _server_error(error)
+        if server is None or self.servers is None:
+            return False
+        role = "teacher" if isinstance(server, TeacherServerError) else self.source
+        if role not in generations:
+            return False
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self.servers.recover, role, generations[role], server)
 
     async def _attempt(self, task: dict, ctx: RolloutContext, draw: int, index: int) -> list[Sample]:
         """One attempt: the environment's rollout, its contract checked (`_ContractError`), then
@@ -457,7 +510,7 @@ class RolloutBuffer:
         try:
             scores = await asyncio.gather(*(self._teacher.score_top_k(s.input_ids, k) for s in samples))
         except InferenceServerError as e:
-            raise InferenceServerError(f"the teacher server failed: {e}") from e
+            raise TeacherServerError(f"the teacher server failed: {e}") from e
         self._teacher_s += time.monotonic() - start
         self._teacher_groups += 1
         scored = []
