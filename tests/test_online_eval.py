@@ -209,11 +209,14 @@ def test_vanished_checkpoint_is_skipped_and_training_succeeds(tmp_path, reverse_
 
 
 @pytest.mark.slow
-def test_trainer_crash_takes_evaluator_and_its_server_down(tmp_path, reverse_data):
+def test_a_dead_evaluator_server_is_restarted_and_a_trainer_crash_takes_both_down(tmp_path, reverse_data):
+    """The evaluator's own server, SIGKILLed after step 0's eval, is restarted by the evaluator: the
+    eval that found it dead is made again and recorded as done. Then the trainer crashes: the
+    evaluator and its server are gone within 30 s."""
     envs = [{"class_path": "lit_rl.rollouts.ReverseTextEnv",
              "init_args": {"path": str(reverse_data / "test.jsonl"), "num_examples": 5}}]
     crash = {"class_path": "online_eval_helpers.CrashAtStep", "init_args": {"when": str(tmp_path / "crash_now")}}
-    config = write_config(tmp_path, reverse_data, steps=1000, interval=1000, envs=envs,
+    config = write_config(tmp_path, reverse_data, steps=1000, interval=50, envs=envs,
                           server={"max_model_len": 512, "dtype": "float32", "enforce_eager": True},
                           extra_callbacks=[crash])
     root = tmp_path / "run"
@@ -227,6 +230,18 @@ def test_trainer_crash_takes_evaluator_and_its_server_down(tmp_path, reverse_dat
             assert time.time() < deadline, "the evaluator never finished step 0"
             time.sleep(0.5)
         assert evaluator_processes(root), "evaluator or server not found while training"
+        server = subprocess.run(["pgrep", "-f", f"vllm_main --model {root}"], capture_output=True, text=True).stdout.split()
+        os.killpg(os.getpgid(int(server[0])), signal.SIGKILL)  # the evaluator's server crashes
+        done = root / "evals" / "done.jsonl"
+        while not any(r["step"] > 0 and r["status"] == "ok" for r in map(json.loads, done.read_text().splitlines())):
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            assert time.time() < deadline + 300, f"no eval after the server's crash: {done.read_text()}"
+            time.sleep(0.5)
+        records = [json.loads(line) for line in done.read_text().splitlines()]
+        failed = [r["step"] for r in records if r["status"] == "failed"]
+        assert failed and any(r["step"] == failed[0] and r["status"] == "ok" for r in records), records  # made again
+        log = (root / "evals" / "evaluator.log").read_text()
+        assert "restarting it (restart 1 of at most 3)" in log and "evaluating step" in log, log[-3000:]
         (tmp_path / "crash_now").touch()  # the trainer fails at its next step
         output, _ = proc.communicate(timeout=300)
         assert proc.returncode != 0 and "deliberate crash" in output

@@ -159,7 +159,8 @@ class OnlineEval(L.Callback):
         if self.base_url:
             cmd += ["--base-url", self.base_url]
         else:
-            cmd += ["--server", json.dumps(self.server)]
+            cmd += ["--server", json.dumps(self.server),
+                    "--max-server-restarts", str(self.runtime.max_server_restarts)]
         env = dict(os.environ)
         env.pop("WANDB_SERVICE", None)  # the trainer's W&B service refuses a second writer of its run id
         if self.cpus:

@@ -47,6 +47,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--parent-pid", type=int, default=None, help="stop when this process is gone")
     p.add_argument("--start-timeout", type=float, default=3600.0,
                    help="with --follow: seconds to wait for the first checkpoint (without it, none waits)")
+    p.add_argument("--max-server-restarts", type=int, default=3,
+                   help="restarts of the server it started, when that dies or hangs (the step is evaluated again)")
     return p.parse_args(argv)
 
 
@@ -94,6 +96,7 @@ def with_gpu_split(server_kwargs: dict) -> dict:
 
 async def run(args: argparse.Namespace) -> None:
     from lit_rl.inference.endpoint import open_endpoint
+    from lit_rl.inference.restarts import ServerRestarts
 
     root = Path(args.run_dir) if args.run_dir else Path(args.weights_dir).resolve().parent
     plan = load_plan(args, root)
@@ -109,8 +112,12 @@ async def run(args: argparse.Namespace) -> None:
     api_key = os.environ.get(args.api_key_env) if args.api_key_env else None  # never on the process list
     with open_endpoint(base_url=args.base_url, model=model, api_key=api_key, allowed_root=root,
                        **({} if args.base_url else server_kwargs)) as endpoint:
+        restarts = ServerRestarts(args.max_server_restarts, None, servers=lambda: {"evaluator": endpoint.server},
+                                  after_start=lambda role: "its model; the step is reloaded next",
+                                  interrupted=lambda: False)
         async with endpoint.client() as client:
-            evaluator = Evaluator(root, plan, client, logger, standalone=not args.follow, parent_pid=args.parent_pid)
+            evaluator = Evaluator(root, plan, client, logger, standalone=not args.follow, parent_pid=args.parent_pid,
+                                  restarts=restarts)
             try:
                 await evaluator.run()
             finally:

@@ -6,7 +6,8 @@ belongs to exactly one policy version. When it falls behind it skips to the newe
 step (and says which it skipped); the base model (step 0) is never skipped, and the
 final step always runs every eval. A failed reload
 (the directory vanished, the server errored) is logged, that step's evals are recorded
-as failed, and it goes on. It never touches the trainer: the filesystem is the hand-off
+as failed, and it goes on. A server it started that died or hangs is restarted
+(`ServerRestarts`, at most `--max-server-restarts`) and the step's remaining evals run again. It never touches the trainer: the filesystem is the hand-off
 (lit_rl/eval/plan.py).
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 from lightning.pytorch.cli import instantiate_class
 
 from lit_rl.eval.logging import EvalLogger
+from lit_rl.inference.client import InferenceServerError
 from lit_rl.eval.plan import DoneLog, EvalPlan, evals_dir, read_final_step
 from lit_rl.rollouts.envs import Environment, EvalRun
 from lit_rl.lora import is_adapter_dir
@@ -41,6 +43,7 @@ class Evaluator:
         standalone: bool = False,
         parent_pid: int | None = None,
         poll_seconds: float = 1.0,
+        restarts=None,
     ):
         """
         Args:
@@ -50,9 +53,12 @@ class Evaluator:
             logger: where metrics go.
             standalone: evaluate every stable checkpoint once and exit (a finished run).
             parent_pid: exit when this process (the trainer) is gone.
+            restarts: a `lit_rl.inference.restarts.ServerRestarts` of the server (role "evaluator"),
+                when this process started it; None: a failed step stays failed.
         """
         self.root, self.plan, self.client, self.logger = Path(root), plan, client, logger
         self.standalone, self.parent_pid, self.poll_seconds = standalone, parent_pid, poll_seconds
+        self.restarts = restarts
         self.envs: list[Environment] = [instantiate_class((), cfg) for cfg in plan.envs]
         names = [e.name for e in self.envs]
         if len(set(names)) != len(names):
@@ -132,6 +138,23 @@ class Evaluator:
             await asyncio.sleep(self.poll_seconds)
 
     async def evaluate_step(self, step: int, envs: list[Environment]) -> None:
+        """The step's evals; when its server died under them and was restarted, the failed ones run
+        again, once (a later record of a step's eval replaces the earlier one)."""
+        seen = self.restarts.generation("evaluator") if self.restarts is not None else 0
+        error = await self._evaluate_step(step, envs)
+        if error is None or self.restarts is None or not isinstance(error, InferenceServerError):
+            return
+        try:
+            restarted = await asyncio.to_thread(self.restarts.recover, "evaluator", seen, error)
+        except InferenceServerError as gone:
+            log.error("evaluator: %s", gone)
+            restarted = False
+        if restarted:
+            log.warning("evaluator: its server was restarted; evaluating step %s again", step)
+            await self._evaluate_step(step, [env for env in envs if self.done.entries.get((step, env.name)) == "failed"])
+
+    async def _evaluate_step(self, step: int, envs: list[Environment]) -> Exception | None:
+        """The step's evals; the error that stopped them (its evals recorded as failed), if any."""
         step_path = self.root / "weights" / f"step_{step}"
         try:
             with lease(step_path, f"evaluator-{os.getpid()}"):
@@ -150,6 +173,8 @@ class Evaluator:
             for env in envs:
                 if not self.done.handled(step, env.name):
                     self.done.record(step, env.name, "failed", error=f"{type(e).__name__}: {e}")
+            return e
+        return None
 
     async def _evaluate_env(self, step: int, step_path: Path, env: Environment) -> None:
         run = EvalRun(step=step, step_dir=step_path, client=self.client)
