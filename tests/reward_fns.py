@@ -35,6 +35,11 @@ def fails_on_row_one(prompts, completions, task_ids, **columns):
     return [0.5] * len(completions)
 
 
+def grader_down(prompts, completions, **columns):
+    """Always raises: a grader that went down."""
+    raise RuntimeError("the grader is down")
+
+
 def one_value_short(prompts, completions, **columns):
     return [0.0] * (len(completions) - 1)
 

@@ -77,6 +77,17 @@ def processes_of(path: Path) -> list[str]:
     return subprocess.run(["pgrep", "-f", str(path)], capture_output=True, text=True).stdout.split()
 
 
+def groups_of(path: Path) -> set[int]:
+    """The process groups of the processes with `path` in their command line (as servers are)."""
+    groups = set()
+    for pid in processes_of(path):
+        try:
+            groups.add(os.getpgid(int(pid)))
+        except ProcessLookupError:  # gone since pgrep saw it
+            pass
+    return groups
+
+
 def first_line(text: str, words: str) -> int:
     """Index of the first line of `text` with `words` (an AssertionError quoting the text if none)."""
     found = [i for i, line in enumerate(text.splitlines()) if words in line]
@@ -176,12 +187,14 @@ def test_sigterm_during_a_grpo_weight_sync_saves_before_servers_and_evaluator_st
 
 def test_sigterm_to_the_whole_opd_job_saves_and_resumes(vllm_server, data, tmp_path):
     """The student is the session's server; the teacher a server lit-rl starts on sharp weights
-    (logits x8: a reverse KL of 3-4 nats, where two random inits give 0.01-0.14). SIGTERM reaches
-    the trainer and the teacher together, at a seeded moment: the teacher's dying is the stop, not
-    a failure. The loss is the dense reverse KL over the teacher server's top 8 tokens and a tail
+    (logits x8: a reverse KL of 3-4 nats, where two random inits give 0.01-0.14). After the first
+    step the teacher's server is SIGKILLed: it is restarted and its scoring made again (issue 24).
+    Then SIGTERM reaches the trainer and the teacher together, at a seeded moment: the teacher's
+    dying is the stop, not a failure. The loss is the dense reverse KL over the teacher server's top 8 tokens and a tail
     bin (the top-k path end to end). Resumed, the run is stopped by two Ctrl-C (the second aborts
     the first's save), then resumed to the end with the session's server as its teacher (the
     resume is what is checked there, not the teacher)."""
+    steps = STEPS + 2  # the teacher's restart comes first: the stop lands at step 3-5
     rng = random.Random(SEED + 1)
     stop_after, delay = rng.choice([1, 2]), rng.uniform(0.0, 1.0)
     teacher = write_tiny_checkpoint(tmp_path / "teacher", seed=1, logit_scale=8.0)
@@ -196,14 +209,20 @@ def test_sigterm_to_the_whole_opd_job_saves_and_resumes(vllm_server, data, tmp_p
                 "--model.init_args.divergence", "reverse_kl", "--model.init_args.teacher_top_k", "8",
                 "--trainer.default_root_dir", str(root), "--trainer.max_steps", str(steps), *extra]
 
-    proc = start(args(STEPS, "--inference.teacher_model", str(teacher)))
+    proc = start(args(steps, "--inference.teacher_model", str(teacher)))
     trace = root / "rollouts" / "trained.jsonl"
     wait_for(proc, trace.exists, "the first step")
-    teachers = {os.getpgid(int(pid)) for pid in processes_of(teacher)}
+    teachers = groups_of(teacher) - {proc.pid}  # the trainer's command line names the teacher too
     assert teachers, "the teacher's server was not found"
-    wait_for(proc, lambda: len(trace.read_text().splitlines()) >= stop_after, f"step {stop_after}")
-    time.sleep(delay)
+    for pgid in teachers:  # the teacher's server crashes mid-run: restarted, its scoring made again
+        os.killpg(pgid, signal.SIGKILL)
+    log = root / "vllm_teacher.log"  # one "Application startup complete" per start
+    wait_for(proc, lambda: log.read_text().count("Application startup complete") >= 2, "the teacher's restart", poll=0.5)
+    time.sleep(2.0 + delay)  # the runtime sees it healthy within 0.5 s; the run goes on
+    teachers = groups_of(teacher) - {proc.pid}
     err, took = stop_and_wait(proc, [proc.pid, *teachers], signal.SIGTERM)
+    assert "the teacher's vLLM server exited" in err and "restarting it (restart 1 of at most 3)" in err, err[-4000:]
+    assert "the teacher's vLLM server is back, serving the teacher" in err, err[-4000:]
     step = assert_stopped_cleanly(err, 143, proc.returncode, root, took)
     rows = [r for r in metrics_rows(root) if r.get("train/divergence")]
     assert len(rows) == step >= stop_after  # the sharp teacher's top 8 and tail, against the student's
@@ -216,7 +235,7 @@ def test_sigterm_to_the_whole_opd_job_saves_and_resumes(vllm_server, data, tmp_p
     saving, ckpt = tmp_path / "saving", root / "checkpoints" / "last.ckpt"
     slow = json.dumps({"class_path": "online_eval_helpers.SlowStopSave", "init_args": {"marker": str(saving)}})
     before = ckpt.read_bytes()
-    proc = start(args(STEPS, "--ckpt_path", "last", "--inference.teacher_model", str(teacher),
+    proc = start(args(steps, "--ckpt_path", "last", "--inference.teacher_model", str(teacher),
                       "--trainer.callbacks+", slow))
     wait_for(proc, lambda: len(trace.read_text().splitlines()) > step, f"step {step + 1}")
     os.killpg(proc.pid, signal.SIGINT)
@@ -231,10 +250,10 @@ def test_sigterm_to_the_whole_opd_job_saves_and_resumes(vllm_server, data, tmp_p
     assert ckpt.read_bytes() == before and not list(ckpt.parent.glob("*.part"))
     assert not processes_of(teacher) and not processes_of(root)
 
-    out = run(args(STEPS, "--ckpt_path", "last", "--inference.teacher_model", "null",
+    out = run(args(steps, "--ckpt_path", "last", "--inference.teacher_model", "null",
                    "--inference.teacher_server", "{}", "--inference.teacher_base_url", vllm_server.base_url))
     assert out.returncode == 0, out.stderr[-4000:]
-    assert_resumed_exactly(root, step, STEPS, group_size=2, max_staleness=1)
+    assert_resumed_exactly(root, step, steps, group_size=2, max_staleness=1)
     rolled_back = [json.loads(line)["step"] for line in open(root / "rollouts" / "trained.rolled_back.jsonl")]
     assert rolled_back and rolled_back[0] == step, rolled_back  # the aborted run's steps, set aside
 

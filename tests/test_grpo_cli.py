@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import REPO, reverse_rows, write_jsonl
 from test_cli import run
@@ -101,7 +102,9 @@ def test_two_ranks_share_each_batch_of_a_dataset_with_reward_functions_and_resum
     The tasks are a jsonl of prompt/answer rows with two built-in rewards, all from the command
     line (DatasetEnv): each reward is logged beside their weighted sum. Two updates per batch:
     three steps, so the checkpoint falls between the two updates of batch 1 (every rank's old
-    logprobs gathered into it), then a resume whose step trains that held batch's second update."""
+    logprobs gathered into it), then a resume whose step trains that held batch's second update.
+    In the resumed run the grader then fails (`on_failure: raise`): rank 0's rollout error reaches
+    rank 1 too, both write `last.ckpt` of step 4 together, and the run exits 1 naming it."""
     root = tmp_path / "run"
     rows = [{"prompt": f"Reverse: {r['messages'][0]['content']}", "answer": r["messages"][0]["content"][::-1]}
             for r in reverse_rows(40)]
@@ -112,7 +115,7 @@ def test_two_ranks_share_each_batch_of_a_dataset_with_reward_functions_and_resum
                     # the random model's 12 characters: about half of them hold one of a-m, so groups differ
                     {"function": "lit_rl.rewards.regex_match", "weight": 0.25, "name": "a_to_m", "kwargs": {"pattern": "[a-m]"}}]}}
 
-    def args(steps: int, *extra: str) -> list[str]:
+    def args(steps: int, *extra: str, env: dict = env) -> list[str]:
         out = grpo_args(root, "unused", str(vllm_server.model_dir), steps, *shared(vllm_server), "--trainer.devices",
                         "2", "--trainer.strategy", "ddp", "--model.init_args.updates_per_batch", "2", *extra)
         at = out.index("--data.init_args.env.init_args.path")
@@ -121,8 +124,13 @@ def test_two_ranks_share_each_batch_of_a_dataset_with_reward_functions_and_resum
 
     first = run(args(3))
     assert first.returncode == 0, first.stderr[-4000:]
-    second = run(args(4, "--ckpt_path", "last"))
-    assert second.returncode == 0, second.stderr[-4000:]
+    failing = {**env, "init_args": {**env["init_args"], "rewards": [*env["init_args"]["rewards"], "reward_fns.grader_down"]}}
+    second = run(args(6, "--ckpt_path", "last", "--data.init_args.on_failure", "raise", "--data.init_args.num_retries",
+                      "0", env=failing), env={"PYTHONPATH": str(REPO / "tests")})
+    ckpt = root / "checkpoints" / "last.ckpt"
+    assert second.returncode == 1 and "the grader is down" in second.stderr, second.stderr[-4000:]
+    assert f"resumable checkpoint written after the error: {ckpt} (step 4)" in second.stderr, second.stderr[-4000:]
+    assert torch.load(ckpt, weights_only=False, map_location="cpu")["global_step"] == 4  # both ranks saved it
     runs = [[r for r in csv.DictReader(open(path)) if r.get("train/staleness_max")]
             for path in sorted(root.glob("logs/version_*/metrics.csv"))]
     assert [len(r) for r in runs] == [3, 1]
