@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ from lit_rl.eval.evaluator import Evaluator
 from lit_rl.eval.logging import EvalLogger
 from lit_rl.eval.plan import EvalPlan, evals_dir
 from lit_rl.lora import adapter_base, is_adapter_dir, lora_server_options
-from lit_rl.run_dir import stable_steps
+from lit_rl.run_dir import lease, stable_steps
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -110,8 +111,12 @@ async def run(args: argparse.Namespace) -> None:
             model, rank = adapter_base(model)
             server_kwargs = lora_server_options(server_kwargs, rank)
     api_key = os.environ.get(args.api_key_env) if args.api_key_env else None  # never on the process list
-    with open_endpoint(base_url=args.base_url, model=model, api_key=api_key, allowed_root=root,
-                       **({} if args.base_url else server_kwargs)) as endpoint:
+    with contextlib.ExitStack() as stack:
+        if model is not None and Path(model).resolve().is_relative_to(root.resolve()):
+            # retention keeps the run's directory its server starts (and restarts) on
+            stack.enter_context(lease(model, f"evaluator-server-{os.getpid()}"))
+        endpoint = stack.enter_context(open_endpoint(base_url=args.base_url, model=model, api_key=api_key,
+                                                     allowed_root=root, **({} if args.base_url else server_kwargs)))
         restarts = ServerRestarts(args.max_server_restarts, None, servers=lambda: {"evaluator": endpoint.server},
                                   after_start=lambda role: "its model; the step is reloaded next",
                                   interrupted=lambda: False)

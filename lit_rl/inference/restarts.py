@@ -110,9 +110,9 @@ class ServerRestarts:
     def _restarted_since(self, role: str, seen: int) -> bool:
         return self.generation(role) != seen or role in self._restarting
 
-    @staticmethod
-    def _fault(server: VLLMServer, proc: subprocess.Popen | None) -> str | None:
-        """Why the server running `proc` needs a restart, or None when it is fine (or was replaced)."""
+    def _fault(self, server: VLLMServer, proc: subprocess.Popen | None) -> str | None:
+        """Why the server running `proc` needs a restart, or None when it is fine (or was
+        replaced, or the run is stopping)."""
         for attempt in range(3):
             if server.proc is not proc:
                 return None
@@ -121,8 +121,8 @@ class ServerRestarts:
                 return f"exited (code {code})"
             if server.healthy(timeout=10.0):
                 return None
-            if attempt < 2:
-                time.sleep(5.0)
+            if attempt < 2 and self._closing.wait(5.0):
+                return None
         return None if server.proc is not proc else "stopped answering its health check"
 
     def _restart(self, role: str, server: VLLMServer, fault: str, error: BaseException | None) -> None:
