@@ -102,6 +102,11 @@ def stops_on_request(trainer, what: str):
         raise stop(trainer, f"{what} ended by the stop ({type(e).__name__}: {str(e)[:200]})") from None
 
 
+def failure_cause(what: str, error: BaseException) -> str:
+    """The message every rank raises for rank 0's `error` (`RunFailed`)."""
+    return f"{what}: {type(error).__name__}: {error}"
+
+
 def raise_on_every_rank(trainer, error: BaseException | None, what: str) -> None:
     """Collective: rank 0's `error` (None: none) reaches every rank. On one process the error is
     raised as it is; on several every rank raises `RunFailed` with its message (rank 0's chained
@@ -110,8 +115,7 @@ def raise_on_every_rank(trainer, error: BaseException | None, what: str) -> None
         if error is not None:
             raise error
         return
-    message = f"{what}: {type(error).__name__}: {error}" if error is not None else None
-    message = trainer.strategy.broadcast(message, src=0)
+    message = trainer.strategy.broadcast(failure_cause(what, error) if error is not None else None, src=0)
     if message is not None:
         raise RunFailed(message) from error
 

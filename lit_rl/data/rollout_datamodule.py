@@ -385,7 +385,7 @@ class RolloutDataModule(L.LightningDataModule):
             except Exception as e:  # under several ranks every rank fails with it, and they save together
                 if trainer.world_size == 1:
                     raise
-                failed, payload = e, {"error": f"waiting for the batch of step {first_step}: {type(e).__name__}: {e}"}
+                failed, payload = e, {"error": stopping.failure_cause(f"waiting for the batch of step {first_step}", e)}
         if trainer.world_size > 1:  # plain data across ranks, samples as dicts
             payload = from_wire(trainer.strategy.broadcast(to_wire(payload) if payload is not None else None, src=0))
         if "error" in payload:

@@ -7,8 +7,8 @@ step (and says which it skipped); the base model (step 0) is never skipped, and 
 final step always runs every eval. A failed reload
 (the directory vanished, the server errored) is logged, that step's evals are recorded
 as failed, and it goes on. A server it started that died or hangs is restarted
-(`ServerRestarts`, at most `--max-server-restarts`) and the step's remaining evals run again. It never touches the trainer: the filesystem is the hand-off
-(lit_rl/eval/plan.py).
+(`ServerRestarts`, at most `--max-server-restarts`) and the step's failed evals run again. It
+never touches the trainer: the filesystem is the hand-off (lit_rl/eval/plan.py).
 """
 
 from __future__ import annotations

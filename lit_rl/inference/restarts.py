@@ -12,9 +12,9 @@ it (a weight sync that holds the lock, say) fails now and comes here too. The re
 done once, under the lock that every reload takes as well (a sync and a restart never
 interleave): what is left of the process group is stopped, the server is started again with the
 same command on the same port (every client keeps its address), then `after_start(role)` (the
-runtime reloads the policy's newest synced weights, with their version, so it is unchanged). Every request that
-failed because of it is made again: `recover` returns True to a request made before the restart
-began (its generation moved on), and to one made while it ran.
+runtime reloads the policy's newest synced weights, with their version, so it is unchanged).
+Every request that failed because of it is made again: `recover` returns True to a request made
+before the restart began (its generation moved on), and to one made while it ran.
 
 At most `max_restarts` per run, all roles together; past that `recover` raises `ServerGone`, which
 ends the run (its checkpoint written first, `lit_rl.stopping`). A server lit-rl did not start

@@ -337,22 +337,24 @@ class InferenceRuntime(L.Callback):
 
     def push_weights(self, trainer, pl_module, step: int) -> None:
         """Make the policy's server serve the current weights of `step`. The filesystem path:
-        export (collective), then reload on rank 0, its error raised on every rank. A GPU subclass
-        may push tensors instead."""
+        export (collective), then reload on rank 0. A GPU subclass may push tensors instead."""
         weights = self._export(trainer, pl_module, step)
-        error = None
         if trainer.is_global_zero:
-            try:
-                self._reload(weights)
-            except Exception as e:
-                error = e
-        stopping.raise_on_every_rank(trainer, error, f"the weight sync of step {step}")
+            self._reload(weights)
 
     def sync(self, trainer, pl_module, step: int) -> None:
         """After optimizer step `step`: the policy's server serves its weights, and the listeners
         hear of version `step`. Collective."""
         with stopping.stops_on_request(trainer, f"the weight sync of step {step}"):
-            self.push_weights(trainer, pl_module, step)
+            error = None
+            try:
+                self.push_weights(trainer, pl_module, step)
+            except Exception as e:
+                error = e
+            # rank 0's error reaches every rank (they fail and save together); this is the barrier
+            stopping.raise_on_every_rank(trainer, error, f"the weight sync of step {step}")
+            if error is not None:  # another rank's own
+                raise error
         self.policy_version = step
         if trainer.is_global_zero:
             for listener in self._listeners:

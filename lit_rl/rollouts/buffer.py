@@ -183,7 +183,7 @@ class RolloutBuffer:
                 None (they are not the policy's: no staleness, exempt from logprob filters);
                 the version advances as batches are drawn, so `max_staleness` bounds how many
                 batches generation runs ahead of the consumer (it would race ahead unbounded).
-            servers: who restarts the servers when one dies (a training run's `InferenceRuntime`):
+            servers: who restarts the servers when one dies (a training run's `InferenceRuntime.restarts`):
                 an attempt that fails with a server error asks it to `recover` that server, and
                 if the server was restarted since the attempt began, the attempt is made again
                 from the start, not counted as a retry (its partial result discarded); a server
