@@ -16,8 +16,9 @@ runtime reloads the policy's newest synced weights, with their version, so it is
 Every request that failed because of it is made again: `recover` returns True to a request made
 before the restart began (its generation moved on), and to one made while it ran.
 
-At most `max_restarts` per run, all roles together; past that `recover` raises `ServerGone`, which
-ends the run (its checkpoint written first, `lit_rl.stopping`). A server lit-rl did not start
+At most `max_restarts` per run, all roles together (the evaluator process's restarts too, through
+`begin`); a start that fails is one more. Past that `recover` raises `ServerGone`, which ends the
+run (its checkpoint written first, `lit_rl.stopping`). A server lit-rl did not start
 (a `base_url`) is never restarted: `recover` returns False and the error stands.
 """
 
@@ -125,27 +126,42 @@ class ServerRestarts:
                 return None
         return None if server.proc is not proc else "stopped answering its health check"
 
-    def _restart(self, role: str, server: VLLMServer, fault: str, error: BaseException | None) -> None:
+    def begin(self, what: str, fault: str, error: BaseException | None, log_path) -> None:
+        """Count one restart of `what` ("the policy's vLLM server", "the evaluator") and log it
+        with the error that found it and its log's tail; `ServerGone` when none is left."""
         first = re.sub(r"; last lines of \S+:$", "", str(error).splitlines()[0])[:300] if error is not None else ""
         found = f"; the error that found it: {first}" if first else ""
         if self.count >= self.max_restarts:
-            raise ServerGone(f"the {role}'s vLLM server {fault}, and no restart is left (inference.max_server_restarts="
-                             f"{self.max_restarts}, {self.count} used){found}; last lines of {server.log_path}:\n"
-                             f"{tail(server.log_path, 15)}")
+            raise ServerGone(f"{what} {fault}, and no restart is left (inference.max_server_restarts="
+                             f"{self.max_restarts}, {self.count} used){found}; last lines of {log_path}:\n"
+                             f"{tail(log_path, 15)}")
         self.count += 1
+        rank_zero_info(f"InferenceRuntime: {what} {fault}{found}; restarting it (restart {self.count} "
+                       f"of at most {self.max_restarts}). Last lines of {log_path}:\n{tail(log_path, 10)}")
+
+    def _restart(self, role: str, server: VLLMServer, fault: str, error: BaseException | None) -> None:
+        """Restart the `role` server (under the lock). A start that fails (not healthy within its
+        `startup_timeout`, or it died while starting) is one more restart, tried again while any
+        is left."""
+        self.begin(f"the {role}'s vLLM server", fault, error, server.log_path)
         self._generations[role] = self.generation(role) + 1  # a request failing from now on was made to the new one
         self._restarting.add(role)
-        rank_zero_info(f"InferenceRuntime: the {role}'s vLLM server {fault}{found}; restarting it (restart {self.count} "
-                       f"of at most {self.max_restarts}). Last lines of {server.log_path}:\n{tail(server.log_path, 10)}")
-        started = time.perf_counter()
         try:
-            server.stop()  # whatever is left of its process group
-            if not server.wait_port_free():
-                raise ServerStartError(f"port {server.port} is still in use 30 s after the old server stopped")
-            server.start(self._interrupted)
-            serving = self._after_start(role)
-        except (ServerStartError, StartInterrupted, InferenceServerError) as e:
-            raise ServerGone(f"the {role}'s vLLM server {fault}, and restarting it failed: {e}") from e
+            while True:
+                started = time.perf_counter()
+                try:
+                    server.stop()  # whatever is left of its process group
+                    if not server.wait_port_free():
+                        raise ServerStartError(f"port {server.port} is still in use 30 s after the old server stopped")
+                    server.start(self._interrupted)
+                    serving = self._after_start(role)
+                    break
+                except StartInterrupted as e:
+                    raise ServerGone(f"the {role}'s vLLM server {fault}, and the run stopped while it restarted") from e
+                except (ServerStartError, InferenceServerError) as e:
+                    if self._interrupted():
+                        raise ServerGone(f"the {role}'s vLLM server {fault}, and restarting it failed: {e}") from e
+                    self.begin(f"the {role}'s vLLM server", "failed to start again", e, server.log_path)
         finally:
             self._restarting.discard(role)
         rank_zero_info(f"InferenceRuntime: the {role}'s vLLM server is back, serving {serving} "
