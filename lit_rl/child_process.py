@@ -28,6 +28,17 @@ _LAUNCHER = (
 )
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def exit_with_parent(parent_pid: int) -> None:
     """The launcher's first two steps, for a child Python starts itself (a process-pool worker's
     initializer): SIGTERM this process when the thread that started it dies, and exit at once if

@@ -9,8 +9,11 @@ writes adapters there (PEFT's two files) and its frozen base once to `weights/ba
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
+
+from lit_rl.child_process import pid_alive
 
 STABLE = "STABLE"
 _STEP = re.compile(r"^step_(\d+)$")
@@ -58,19 +61,36 @@ def step_of(path: Path) -> int | None:
 
 
 def in_use(step_path: str | Path) -> bool:
-    """A consumer (e.g. the evaluator) holds a lease on this step directory."""
-    return any(p.name.startswith(LEASE_PREFIX) for p in Path(step_path).glob(LEASE_PREFIX + "*"))
+    """A live consumer (e.g. the evaluator) holds a lease on this step directory. A lease whose
+    holder died without letting go (SIGKILL) is stale: it is removed, or retention would keep
+    that directory for ever."""
+    held = False
+    for path in Path(step_path).glob(LEASE_PREFIX + "*"):
+        if _holder_alive(path):
+            held = True
+        else:
+            path.unlink(missing_ok=True)
+    return held
+
+
+def _holder_alive(path: Path) -> bool:
+    try:
+        pid = int(path.read_text().strip())
+    except (OSError, ValueError):
+        return path.exists()  # a lease without a pid (or being written): held
+    return pid_alive(pid)
 
 
 class lease:
     """Context manager a consumer holds while it reads a step directory, so that
-    retention (`HFExport.keep_last`) does not delete it underneath."""
+    retention (`HFExport.keep_last`) does not delete it underneath. The lease file holds the
+    holder's pid (`in_use` discards it once that process is gone)."""
 
     def __init__(self, step_path: str | Path, owner: str):
         self.path = Path(step_path) / f"{LEASE_PREFIX}{owner}"
 
     def __enter__(self) -> Path:
-        self.path.touch()
+        self.path.write_text(str(os.getpid()))
         return self.path.parent
 
     def __exit__(self, *exc) -> None:

@@ -3,6 +3,8 @@
 import json
 import resource
 import signal
+import subprocess
+import sys
 
 import lightning as L
 import pytest
@@ -69,6 +71,21 @@ def test_keep_last_spares_leased_steps_and_fresh_run_cleans_up(tmp_path):
         assert sorted(stable_steps(root)) == [1, 3]  # spared while leased; the newest always kept
     export._apply_retention(root)
     assert sorted(stable_steps(root)) == [3]
+    # a holder SIGKILLed while it holds its lease leaves the file behind: retention sees it is stale
+    export.keep_last = 5
+    train(tmp_path, 2, [export])
+    export.keep_last = 1
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from lit_rl.run_dir import lease\n"
+                               "with lease(sys.argv[1], 'evaluator'):\n    print('held', flush=True); time.sleep(60)",
+                               str(step_dir(root, 1))], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    export._apply_retention(root)
+    assert sorted(stable_steps(root)) == [1, 2]  # held by a live process
+    holder.kill()
+    holder.wait()
+    assert list(step_dir(root, 1).glob("LEASE.*")), "the killed holder's lease file should still be there"
+    export._apply_retention(root)
+    assert sorted(stable_steps(root)) == [2]
     # a fresh run into the same root starts from an empty weights/ (leftovers of all kinds go)
     (root / "weights" / "step_9").mkdir()
     (root / "weights" / ".step_10.tmp").mkdir()

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -70,6 +71,36 @@ def test_the_evaluator_beside_training_runs_torch_on_one_thread(monkeypatch):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+def test_an_evaluator_that_exits_is_started_again_until_no_restart_is_left(tmp_path, caplog):
+    """The runtime's check after each step, on a real process that exits at once (code 3): it is
+    started again (one restart of the run's), and with none left it is given up: a warning, and
+    training goes on (an eval never stops training)."""
+    from types import SimpleNamespace
+
+    from lit_rl.inference.runtime import InferenceRuntime
+
+    runtime = InferenceRuntime(max_server_restarts=1)
+    trainer = SimpleNamespace(received_sigterm=False)
+    log_path = tmp_path / "evals" / "evaluator.log"
+    first = runtime.start_evaluator([sys.executable, "-c", "print('evaluating'); raise SystemExit(3)"], env=dict(os.environ),
+                                    log_path=log_path)
+    first_pid = first.pid
+    assert first.wait(30) == 3
+    with caplog.at_level("INFO"), pytest.warns(UserWarning) as warned:
+        runtime._keep_evaluator(trainer)
+        assert runtime.server_restarts == 1 and first.pid != first_pid and not first.given_up
+        assert first.wait(30) == 3
+        runtime._keep_evaluator(trainer)
+        runtime._keep_evaluator(trainer)  # given up: once
+    assert first.given_up and runtime.server_restarts == 1
+    assert caplog.text.count("the evaluator exited (code 3); restarting it (restart 1 of at most 1)") == 1, caplog.text
+    gave_up = [str(w.message) for w in warned if "without online evals" in str(w.message)]
+    assert gave_up == [f"InferenceRuntime: the evaluator exited (code 3), and no restart is left (inference."
+                       f"max_server_restarts=1, 1 used); training goes on without online evals (its log: {log_path})"], gave_up
+    assert log_path.read_text().count("evaluating") == 2  # both runs appended to its log
+    assert runtime.finish_evaluator(5) == 3 and runtime.evaluator is None
 
 
 def test_done_log_survives_restart_and_forgets_the_future(tmp_path):
@@ -145,6 +176,7 @@ def fit_on_shared_server(config, vllm_server, *args):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_sft_with_online_evals_learns_and_logs_every_due_step(tmp_path, reverse_data, vllm_server):
     envs = [
         {"class_path": "lit_rl.rollouts.ReverseTextEnv",
@@ -209,10 +241,13 @@ def test_vanished_checkpoint_is_skipped_and_training_succeeds(tmp_path, reverse_
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_dead_evaluator_server_is_restarted_and_a_trainer_crash_takes_both_down(tmp_path, reverse_data):
     """The evaluator's own server, SIGKILLed after step 0's eval, is restarted by the evaluator: the
-    eval that found it dead is made again and recorded as done. Then the trainer crashes: the
-    evaluator and its server are gone within 30 s."""
+    eval that found it dead is made again and recorded as done. Then the evaluator process itself
+    is SIGKILLed (its server dies with it): the trainer starts it again at its next step, counted
+    among the run's restarts, and the new one evaluates the steps due since, none twice. Then the
+    trainer crashes: the evaluator and its server are gone within 30 s."""
     envs = [{"class_path": "lit_rl.rollouts.ReverseTextEnv",
              "init_args": {"path": str(reverse_data / "test.jsonl"), "num_examples": 5}}]
     crash = {"class_path": "online_eval_helpers.CrashAtStep", "init_args": {"when": str(tmp_path / "crash_now")}}
@@ -245,9 +280,30 @@ def test_a_dead_evaluator_server_is_restarted_and_a_trainer_crash_takes_both_dow
             time.sleep(0.5)
         log = (root / "evals" / "evaluator.log").read_text()
         assert "restarting it (restart 1 of at most 3)" in log and "evaluating step" in log, log[-3000:]
+
+        def evaluator_pid() -> int | None:
+            found = subprocess.run(["pgrep", "-f", f"lit_rl.cli evaluate --run-dir {root} "], capture_output=True,
+                                   text=True).stdout.split()
+            return int(found[0]) if len(found) == 1 else None
+
+        first = evaluator_pid()
+        assert first, "the evaluator process not found"
+        handled = {json.loads(line)["step"] for line in done.read_text().splitlines()}
+        os.kill(first, signal.SIGKILL)  # the evaluator crashes (its server gets SIGTERM from the kernel)
+        while not (evaluator_pid() not in (None, first) and {json.loads(line)["step"] for line in done.read_text()
+                                                              .splitlines() if json.loads(line)["status"] == "ok"} - handled):
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            assert time.time() < deadline + 600, f"no eval by a restarted evaluator: {done.read_text()}"
+            time.sleep(0.5)
+        ok = [json.loads(line)["step"] for line in done.read_text().splitlines() if json.loads(line)["status"] == "ok"]
+        assert len(ok) == len(set(ok)), ok  # no step evaluated twice
+        # the killed evaluator's server left its socket directory; the next start removed it
+        assert not list(Path(tempfile.gettempdir()).glob(f"lit-rl-vllm-ipc-{first}-*"))
         (tmp_path / "crash_now").touch()  # the trainer fails at its next step
         output, _ = proc.communicate(timeout=300)
         assert proc.returncode != 0 and "deliberate crash" in output
+        assert "the evaluator exited (code -9); restarting it (restart 1 of at most 3)" in output, output[-4000:]
+        assert "the evaluator is started again" in output, output[-4000:]
         gone_by = time.time() + 30
         while evaluator_processes(root) and time.time() < gone_by:
             time.sleep(0.5)

@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from lit_rl.child_process import pid_alive
 from lit_rl.eval.evaluator import Evaluator
 from lit_rl.eval.logging import EvalLogger
 from lit_rl.eval.plan import EvalPlan, evals_dir
@@ -78,7 +79,7 @@ def first_checkpoint(root: Path, timeout: float | None, parent_pid: int | None) 
                              "give --follow to wait for a run that is still training")
         if time.time() > deadline:
             raise SystemExit(f"lit-rl evaluate: no STABLE checkpoint appeared under {root / 'weights'} in {timeout:.0f} s")
-        if parent_pid is not None and not Evaluator.pid_alive(parent_pid):
+        if parent_pid is not None and not pid_alive(parent_pid):
             raise SystemExit("lit-rl evaluate: the trainer is gone before any checkpoint was written")
         time.sleep(0.5)
 

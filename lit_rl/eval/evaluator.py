@@ -22,6 +22,7 @@ from pathlib import Path
 
 from lightning.pytorch.cli import instantiate_class
 
+from lit_rl.child_process import pid_alive
 from lit_rl.eval.logging import EvalLogger
 from lit_rl.inference.client import InferenceServerError
 from lit_rl.eval.plan import DoneLog, EvalPlan, evals_dir, read_final_step
@@ -90,16 +91,8 @@ class Evaluator:
         return all(self.done.handled(final, n) for n in self.plan.due(final, [e.name for e in self.envs], final))
 
     # ---- the loop -----------------------------------------------------------------------------------
-    @staticmethod
-    def pid_alive(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-
     def parent_alive(self) -> bool:
-        return self.parent_pid is None or self.pid_alive(self.parent_pid)
+        return self.parent_pid is None or pid_alive(self.parent_pid)
 
     def record_missing_final(self, final: int | None) -> None:
         """The trainer announces its final step only after exporting it: if that directory is

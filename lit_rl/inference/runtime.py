@@ -8,7 +8,7 @@ other parts only say what they need and ask for clients:
 - the rollout data module, at setup: `use(policy=..., teacher=..., tokenizer=...)`; when its
   rollouts start: `client_factory("policy" | "teacher")` and `policy_version`, then `on_sync(fn)`
   to hear of each new version, and `before_stop(fn)` to close them before the servers go;
-- OnlineEval: `start_evaluator(...)`, `finish_evaluator(...)`.
+- OnlineEval: `use_evaluator()` at setup, then `start_evaluator(...)`, `finish_evaluator(...)`.
 A run that declares nothing (plain SFT) starts no server.
 
 `lit-rl fit` adds one to every run; its options are the `inference:` section of a config
@@ -18,8 +18,9 @@ A run that declares nothing (plain SFT) starts no server.
 Lifecycle (rank 0 owns the processes; exports are collective):
     on_train_start      export the current weights and start the policy's server on them (or make
                         an existing `base_url` server reload them), then the teacher's;
-    on_train_batch_end  sync: export step k, reload the policy's server, `policy_version = k`
-                        (the one record of which weights are served), tell the listeners;
+    on_train_batch_end  an evaluator that exited is started again; then the sync: export step k,
+                        reload the policy's server, `policy_version = k` (the one record of which
+                        weights are served), tell the listeners;
     on_train_end        stop everything;
     on_exception        a graceful stop (SIGTERM, Ctrl-C) first writes its checkpoint
                         (`lit_rl.stopping`), then everything stops: the listeners close their
@@ -30,7 +31,9 @@ Servers that die: a server lit-rl started (the policy's or the teacher's) that e
 answering its health check is started again on the same port, the policy's serving the newest
 synced weights with the same version, and every request that failed because of it is made again
 (`lit_rl.inference.restarts`); at most `max_server_restarts` per run, then the run fails, its
-checkpoint written first (`lit_rl.stopping`).
+checkpoint written first (`lit_rl.stopping`). An evaluator process that exits is started again
+at the next step, counted among the same restarts; once none is left, training goes on without
+evals (`lit_rl.inference.evaluator_process`).
 
 With a LoRA adapter (`model.init_args.lora`) the policy's server serves the frozen base
 (`weights/base`, written once) with vLLM's LoRA support on, and a sync loads only the adapter, in
@@ -45,7 +48,6 @@ endpoints are the GPU fast path: a subclass overrides `push_weights` and keeps t
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -57,10 +59,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_rl import stopping
 from lit_rl.errors import ConfigError
-from lit_rl.child_process import dies_with_parent, stop_process_group
 from lit_rl.inference.client import AdapterRefused, InferenceServerError
 from lit_rl.inference.endpoint import Endpoint, open_endpoint
-from lit_rl.inference.restarts import ServerRestarts
+from lit_rl.inference.evaluator_process import EvaluatorProcess
+from lit_rl.inference.restarts import ServerGone, ServerRestarts
 from lit_rl.inference.server import StartInterrupted
 from lit_rl.lora import lora_server_options
 from lit_rl.run_dir import base_dir, lease
@@ -126,7 +128,8 @@ class InferenceRuntime(L.Callback):
         self.trust_remote_code = False
         self.policy_version: int | None = None  # the optimizer steps whose weights the policy's server serves
         self.endpoints: dict[str, Endpoint] = {}
-        self.evaluator: subprocess.Popen | None = None
+        self.runs_evaluator = False  # set by `use_evaluator`: rank 0 runs one (its restarts are logged)
+        self.evaluator: EvaluatorProcess | None = None
         self.last_sync_s = 0.0
         self._listeners: list[Callable[[int], None]] = []
         self._before_stop: list[Callable[[], None]] = []
@@ -181,6 +184,11 @@ class InferenceRuntime(L.Callback):
         self.serves_policy, self.serves_teacher = policy, teacher and self.has_teacher
         self.tokenizer_name, self.trust_remote_code = tokenizer, trust_remote_code
 
+    def use_evaluator(self) -> None:
+        """OnlineEval (every rank, at setup): rank 0 will run an evaluator, which the runtime
+        starts again when it exits during training; `train/server_restarts` counts it."""
+        self.runs_evaluator = True
+
     def client_factory(self, role: str, **kwargs) -> Callable[[], Any]:
         """A no-argument factory of `InferenceClient`s of the `role` server (rank 0, once started):
         clients belong to the event loop that makes them, so the caller makes its own."""
@@ -206,13 +214,13 @@ class InferenceRuntime(L.Callback):
             raise ValueError("inference: " + "; ".join(problems))
 
     def on_train_start(self, trainer, pl_module) -> None:
+        self._trainer, self.restarts = trainer, self._new_restarts()  # a run's restarts count from 0
         if not (self.serves_policy or self.serves_teacher):
             if self.has_teacher or self.base_url or self.server:
                 rank_zero_warn("inference: server options are set, but nothing in this run samples from a model "
                                "(a RolloutDataModule does); no server is started")
             return
         step = trainer.global_step
-        self._trainer, self.restarts = trainer, self._new_restarts()
         self.lora = getattr(pl_module, "lora", None) if self.serves_policy else None
         weights = self._export(trainer, pl_module, step) if self.serves_policy else None
         self._served = weights
@@ -361,47 +369,63 @@ class InferenceRuntime(L.Callback):
                 listener(step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if not self.serves_policy:
-            return
-        step = trainer.global_step
-        last = trainer.max_steps > 0 and step >= trainer.max_steps
-        self.last_sync_s = 0.0
-        if not (last or stopping.requested(trainer)):  # else no rollout will be drawn from these weights
-            started = time.perf_counter()
-            self.sync(trainer, pl_module, step)
-            self.last_sync_s = time.perf_counter() - started
-        pl_module.log("train/weight_sync_s", self.last_sync_s, on_step=True, on_epoch=False, batch_size=1)
-        pl_module.log("train/server_restarts", float(self.server_restarts), on_step=True, on_epoch=False,
-                      batch_size=1, rank_zero_only=True)
+        if self.runs_evaluator:
+            self._keep_evaluator(trainer)
+        if self.serves_policy:
+            step = trainer.global_step
+            last = trainer.max_steps > 0 and step >= trainer.max_steps
+            self.last_sync_s = 0.0
+            if not (last or stopping.requested(trainer)):  # else no rollout will be drawn from these weights
+                started = time.perf_counter()
+                self.sync(trainer, pl_module, step)
+                self.last_sync_s = time.perf_counter() - started
+            pl_module.log("train/weight_sync_s", self.last_sync_s, on_step=True, on_epoch=False, batch_size=1)
+        if self.serves_policy or self.runs_evaluator:
+            pl_module.log("train/server_restarts", float(self.server_restarts), on_step=True, on_epoch=False,
+                          batch_size=1, rank_zero_only=True)
 
     # ---- the evaluator --------------------------------------------------------------------------
     def start_evaluator(self, command: list[str], *, env: dict[str, str], log_path: Path,
-                        cpus: list[int] | None = None) -> subprocess.Popen:
+                        cpus: list[int] | None = None) -> EvaluatorProcess:
         """Start the evaluator process (rank 0); it stops with the run, after its checkpoint."""
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as log_file:
-            self.evaluator = subprocess.Popen(dies_with_parent(command, cpus), stdout=log_file,
-                                              stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.evaluator = EvaluatorProcess(command, env=env, log_path=log_path, cpus=cpus)
         return self.evaluator
+
+    def _keep_evaluator(self, trainer) -> None:
+        """After each step (rank 0): an evaluator that exited is started again, a restart of the
+        run's. Once none is left, training goes on without online evals (an eval never stops
+        training), with a warning; the end of the run names its exit code again."""
+        evaluator = self.evaluator
+        if evaluator is None or evaluator.given_up or stopping.requested(trainer):  # (a stop stops it anyway)
+            return
+        code = evaluator.exit_code()
+        if code is None:
+            return
+        try:
+            self.restarts.begin("the evaluator", f"exited (code {code})", None, evaluator.log_path)
+        except ServerGone as e:
+            evaluator.given_up = True
+            cause = str(e).splitlines()[0].split("; last lines of ")[0]
+            rank_zero_warn(f"InferenceRuntime: {cause}; training goes on without online evals (its log: "
+                           f"{evaluator.log_path})")
+            return
+        evaluator.start()
+        rank_zero_info(f"InferenceRuntime: the evaluator is started again (pid {evaluator.pid})")
 
     def finish_evaluator(self, timeout: float) -> int | None:
         """Wait up to `timeout` s for the evaluator to finish its last eval; its exit code, or
         None if it had to be stopped."""
-        proc = self.evaluator
-        if proc is None:
+        if self.evaluator is None:
             return None
         try:
-            return proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return None
+            return self.evaluator.wait(timeout)
         finally:
             self._stop_evaluator()
 
     def _stop_evaluator(self) -> None:
-        proc, self.evaluator = self.evaluator, None
-        if proc is not None and proc.poll() is None:
-            rank_zero_info(f"InferenceRuntime: stopping the evaluator (pid {proc.pid})")
-            stop_process_group(proc, grace=20.0)  # SIGTERM: it stops its own server first
+        evaluator, self.evaluator = self.evaluator, None
+        if evaluator is not None:
+            evaluator.stop()
 
     # ---- stop -----------------------------------------------------------------------------------
     def stop(self) -> None:

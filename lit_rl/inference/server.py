@@ -31,6 +31,7 @@ import atexit
 import ipaddress
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -45,7 +46,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from lit_rl.child_process import dies_with_parent, stop_process_group
+from lit_rl.child_process import dies_with_parent, pid_alive, stop_process_group
 from lit_rl.inference.vllm_main import SPIN_ENV
 from lit_rl.model_names import resolve_model_name
 
@@ -107,6 +108,18 @@ def tail(path: str | Path | None, lines: int = 40) -> str:
     except (OSError, TypeError):
         return "(no log)"
     return "\n".join(text.splitlines()[-lines:])
+
+
+IPC_PREFIX = "lit-rl-vllm-ipc-"  # + the pid of the process that started the server
+
+
+def remove_orphaned_ipc_dirs() -> None:
+    """Remove the socket directories of servers whose starter died without stopping them (a
+    trainer or evaluator SIGKILLed: its servers die with it, `stop` never runs)."""
+    for path in Path(tempfile.gettempdir()).glob(IPC_PREFIX + "*"):
+        m = re.match(re.escape(IPC_PREFIX) + r"(\d+)-", path.name)
+        if m and not pid_alive(int(m.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 _live: weakref.WeakSet[VLLMServer] = weakref.WeakSet()
@@ -307,7 +320,8 @@ class VLLMServer:
         _install_hooks()
         env = self.environment()
         if "VLLM_RPC_BASE_PATH" not in env:  # vLLM's unix sockets, left in the temp dir when it is killed
-            env["VLLM_RPC_BASE_PATH"] = self._ipc_dir = tempfile.mkdtemp(prefix="lit-rl-vllm-ipc-")
+            remove_orphaned_ipc_dirs()
+            env["VLLM_RPC_BASE_PATH"] = self._ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-")
         t0 = time.monotonic()
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(
