@@ -48,6 +48,12 @@ class OneWorkerFiles(LoadScopeScheduling):
         return path if path in ONE_WORKER_FILES else nodeid
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `long` (over a minute each) first: the two workers then end together, instead of
+    one running a long test alone at the end while the other waits."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 def pytest_xdist_make_scheduler(config, log):
     return OneWorkerFiles(config, log)
 

@@ -125,3 +125,38 @@ class ScoreFixedIds(ReverseTextEnv):
 
     async def evaluate(self, run: EvalRun) -> dict[str, float]:
         return {"logprob_sum": sum(await run.client.score(self.IDS))}
+
+
+class KillPolicyEngineInSync(L.Callback):
+    """Hits the reload window exactly: when the weight sync of optimizer step `step` begins its
+    reload of the policy's server, a thread SIGKILLs that server's engine processes (its API
+    process's children) `delay` seconds later, so that the pause, the reload or the resume is
+    the request that finds the server broken. Each kill is recorded in `<root>/killed_in_sync`."""
+
+    def __init__(self, step: int, delay: float = 0.0):
+        self.step, self.delay, self.done = step, delay, False
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import threading
+
+        import psutil
+
+        from lit_rl.inference.runtime import InferenceRuntime
+        from lit_rl.run_dir import step_of
+
+        runtime = InferenceRuntime.of(trainer)
+        load, record = runtime._load, Path(trainer.default_root_dir) / "killed_in_sync"
+
+        def kill(api_pid: int) -> None:
+            engine = psutil.Process(api_pid).children()
+            for process in engine:
+                process.kill()
+            record.write_text(f"{self.step} {[p.pid for p in engine]}\n")
+
+        def load_and_kill(weights):
+            if not self.done and step_of(weights) == self.step:
+                self.done = True
+                threading.Timer(self.delay, kill, args=(runtime.endpoints["policy"].server.proc.pid,)).start()
+            return load(weights)
+
+        runtime._load = load_and_kill

@@ -146,6 +146,7 @@ def grpo_with_evals(tmp_path: Path, vllm_server, data: str) -> str:
     return str(path)
 
 
+@pytest.mark.long
 def test_sigterm_during_a_grpo_weight_sync_saves_before_servers_and_evaluator_stop(vllm_server, data, tmp_path):
     """The rollouts' server is one lit-rl starts (its SIGTERM used to stop it first, so the next
     reload failed and nothing was saved); the evaluator serves the session's server. Also shows
@@ -185,6 +186,7 @@ def test_sigterm_during_a_grpo_weight_sync_saves_before_servers_and_evaluator_st
     assert not processes_of(root)
 
 
+@pytest.mark.long
 def test_sigterm_to_the_whole_opd_job_saves_and_resumes(vllm_server, data, tmp_path):
     """The student is the session's server; the teacher a server lit-rl starts on sharp weights
     (logits x8: a reverse KL of 3-4 nats, where two random inits give 0.01-0.14). After the first

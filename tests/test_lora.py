@@ -89,6 +89,7 @@ def test_a_target_module_that_matches_nothing_names_the_flag_and_the_layers(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_grpo_with_lora_serves_the_trained_adapter_and_its_online_evals_score_each_step(tmp_path, tiny_model_path):
     """The policy's managed server starts on the base with LoRA on and every sync loads the new
     adapter: at staleness 0 the sampler's logprobs equal the trainer's at every step
