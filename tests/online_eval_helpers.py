@@ -160,3 +160,51 @@ class KillPolicyEngineInSync(L.Callback):
             return load(weights)
 
         runtime._load = load_and_kill
+
+
+class KillPolicyEngineInRollout(L.Callback):
+    """Hits a rollout in flight exactly: just before the `request`-th request of the rollouts goes
+    to the policy's server, that server's engine processes are SIGKILLed (and reaped), so that
+    this request fails, and with it the rollout that made it: a rollout started, not finished.
+    (A request of the tiny model is done in milliseconds: a kill timed after it was sent
+    usually came too late.) Recorded in `<root>/killed_in_rollout`."""
+
+    def __init__(self, request: int):
+        self.request, self.sent = request, 0
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        import psutil
+
+        from lit_rl.inference.runtime import InferenceRuntime
+
+        runtime = InferenceRuntime.of(trainer)
+        factory, record = runtime.client_factory, Path(trainer.default_root_dir) / "killed_in_rollout"
+
+        def kill(api_pid: int) -> None:
+            engine = psutil.Process(api_pid).children()
+            for process in engine:
+                process.kill()
+            psutil.wait_procs(engine, timeout=10)
+            record.write_text(f"{self.request} {[p.pid for p in engine]}\n")
+
+        def client_factory(role: str, **kwargs):
+            make = factory(role, **kwargs)
+            if role != "policy":
+                return make
+
+            def make_client():
+                client = make()
+                generate = client.generate
+
+                async def generate_and_kill(*args, **kw):
+                    self.sent += 1
+                    if self.sent == self.request:
+                        kill(runtime.endpoints["policy"].server.proc.pid)
+                    return await generate(*args, **kw)
+
+                client.generate = generate_and_kill
+                return client
+
+            return make_client
+
+        runtime.client_factory = client_factory

@@ -16,6 +16,9 @@ GRPO with the policy's server started by lit-rl and one restart allowed:
   trained once, each task's group once,
   versions within the staleness bound and continued from the checkpoint, no process left,
   every exported `weights/step_N` loads.
+
+OPD with the student's server started by lit-rl: its engine is SIGKILLed as a seeded rollout
+request goes out; the rollouts in flight are made again and the run finishes.
 """
 
 from __future__ import annotations
@@ -158,15 +161,17 @@ def test_a_killed_policy_server_restarts_then_a_run_out_of_restarts_saves_and_re
 
 
 @pytest.mark.long
-def test_an_opd_students_server_killed_in_a_weight_sync_restarts_and_the_run_finishes(vllm_server, tmp_path):
+def test_an_opd_students_server_killed_under_its_rollouts_restarts_and_they_are_made_again(vllm_server, tmp_path):
     """OPD with the student's server started by lit-rl and the session's server as the teacher:
-    the student's engine is SIGKILLed inside the reload of a seeded step's weight sync. The server
-    is restarted on the newest synced weights, the sync reloads it, the rollouts in flight are
-    made again (and scored by the teacher again), and the run finishes: every step trained once,
-    each task's group once, versions within the staleness bound, no process left."""
+    the student's engine is SIGKILLed just as a seeded rollout request goes out (a trainer-side
+    helper times it), so that rollouts in flight fail. The server is restarted on the newest synced weights, the
+    rollouts that were in flight are made again from the start (counted in `rollout/reissued`,
+    scored by the teacher again), and the run finishes: every step trained once, each task's
+    group once (nothing of a failed attempt trained), versions within the staleness bound, no
+    process left."""
     steps = 4
     rng = random.Random(SEED + 1)
-    sync_step, in_sync = rng.choice([1, 2]), rng.uniform(0.0, 0.3)
+    request = rng.randint(9, 16)
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(40))
     root = tmp_path / "run"
     out = run(["fit", "--config", str(EXAMPLES / "opd.yaml"), "--model.init_args.model", str(vllm_server.model_dir),
@@ -177,11 +182,11 @@ def test_an_opd_students_server_killed_in_a_weight_sync_restarts_and_the_run_fin
                "--inference.teacher_base_url", vllm_server.base_url, "--inference.max_server_restarts", "1",
                "--inference.health_check_interval", "2",
                "--trainer.default_root_dir", str(root), "--trainer.max_steps", str(steps),
-               "--trainer.callbacks+=online_eval_helpers.KillPolicyEngineInSync",
-               f"--trainer.callbacks.step={sync_step}", f"--trainer.callbacks.delay={in_sync}"],
+               "--trainer.callbacks+=online_eval_helpers.KillPolicyEngineInRollout",
+               f"--trainer.callbacks.request={request}"],
               env={"PYTHONPATH": str(REPO / "tests")})
     assert out.returncode == 0, out.stderr[-4000:]
-    assert (root / "killed_in_sync").read_text().startswith(f"{sync_step} ")
+    assert (root / "killed_in_rollout").read_text().startswith(f"{request} ")
     err = out.stderr
     assert "the policy's vLLM server" in err and "restarting it (restart 1 of at most 1)" in err, err[-4000:]
     assert "the policy's vLLM server is back, serving the weights of step" in err, err[-4000:]
@@ -190,4 +195,6 @@ def test_an_opd_students_server_killed_in_a_weight_sync_restarts_and_the_run_fin
     assert len(rows) == steps and all(float(r["rollout/teacher_s_per_group"]) > 0 for r in rows)
     restarts = [float(r["train/server_restarts"]) for r in metrics_rows(root) if r.get("train/server_restarts")]
     assert restarts and restarts[-1] == 1.0, restarts
+    reissued = [float(r["rollout/reissued"]) for r in metrics_rows(root) if r.get("rollout/reissued")]
+    assert reissued and reissued[-1] >= 1, reissued  # the killed request, at least, made again
     assert not processes_of(root), "processes left behind"
