@@ -127,6 +127,18 @@ class ScoreFixedIds(ReverseTextEnv):
         return {"logprob_sum": sum(await run.client.score(self.IDS))}
 
 
+def kill_policy_engine(runtime, record: Path, when: int) -> None:
+    """SIGKILL the engine processes (the API process's children) of the run's policy server and
+    wait until they are gone; `when` (a step, a request number) goes into `record`."""
+    import psutil
+
+    engine = psutil.Process(runtime.endpoints["policy"].server.proc.pid).children()
+    for process in engine:
+        process.kill()
+    psutil.wait_procs(engine, timeout=10)
+    record.write_text(f"{when} {[p.pid for p in engine]}\n")
+
+
 class KillPolicyEngineInSync(L.Callback):
     """Hits the reload window exactly: when the weight sync of optimizer step `step` begins its
     reload of the policy's server, a thread SIGKILLs that server's engine processes (its API
@@ -139,24 +151,16 @@ class KillPolicyEngineInSync(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         import threading
 
-        import psutil
-
         from lit_rl.inference.runtime import InferenceRuntime
         from lit_rl.run_dir import step_of
 
         runtime = InferenceRuntime.of(trainer)
         load, record = runtime._load, Path(trainer.default_root_dir) / "killed_in_sync"
 
-        def kill(api_pid: int) -> None:
-            engine = psutil.Process(api_pid).children()
-            for process in engine:
-                process.kill()
-            record.write_text(f"{self.step} {[p.pid for p in engine]}\n")
-
         def load_and_kill(weights):
             if not self.done and step_of(weights) == self.step:
                 self.done = True
-                threading.Timer(self.delay, kill, args=(runtime.endpoints["policy"].server.proc.pid,)).start()
+                threading.Timer(self.delay, kill_policy_engine, args=(runtime, record, self.step)).start()
             return load(weights)
 
         runtime._load = load_and_kill
@@ -173,19 +177,10 @@ class KillPolicyEngineInRollout(L.Callback):
         self.request, self.sent = request, 0
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        import psutil
-
         from lit_rl.inference.runtime import InferenceRuntime
 
         runtime = InferenceRuntime.of(trainer)
         factory, record = runtime.client_factory, Path(trainer.default_root_dir) / "killed_in_rollout"
-
-        def kill(api_pid: int) -> None:
-            engine = psutil.Process(api_pid).children()
-            for process in engine:
-                process.kill()
-            psutil.wait_procs(engine, timeout=10)
-            record.write_text(f"{self.request} {[p.pid for p in engine]}\n")
 
         def client_factory(role: str, **kwargs):
             make = factory(role, **kwargs)
@@ -199,7 +194,7 @@ class KillPolicyEngineInRollout(L.Callback):
                 async def generate_and_kill(*args, **kw):
                     self.sent += 1
                     if self.sent == self.request:
-                        kill(runtime.endpoints["policy"].server.proc.pid)
+                        kill_policy_engine(runtime, record, self.request)
                     return await generate(*args, **kw)
 
                 client.generate = generate_and_kill
