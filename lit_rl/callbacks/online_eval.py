@@ -119,7 +119,6 @@ class OnlineEval(L.Callback):
     # ---- start ----------------------------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.runtime = InferenceRuntime.of(trainer)  # it runs the evaluator, and starts it again if it exits
-        self.runtime.use_evaluator()
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger) and trainer.is_global_zero:
                 make_trainer_primary(logger)  # before the run starts: the evaluator will write into it

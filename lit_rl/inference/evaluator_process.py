@@ -5,10 +5,10 @@ The evaluator is a process of its own (its vLLM server a child of it) so that ev
 a training step. It can die on its own (an OOM, a crash in a custom eval, a kill): the trainer
 finds it exited at its next step and starts it again with the same command, counted among the
 run's restarts (`inference.max_server_restarts`, `lit_rl.inference.restarts`); once none is
-left it is `given_up` and training goes on without evals (an eval never stops training). A new evaluator
-loses nothing: what it has evaluated is on disk (`evals/done.jsonl`), retention keeps every due
-step it has not (`OnlineEval.needs`), so it goes on with the oldest of those. Its server was a
-child that died with it (PR_SET_PDEATHSIG); the new one starts its own.
+left it is `given_up` and training goes on without evals (an eval never stops training). A
+new evaluator loses nothing: what it has evaluated is on disk (`evals/done.jsonl`), retention
+keeps every due step it has not (`OnlineEval.needs`), so it goes on with the oldest of those.
+Its server was a child that died with it (PR_SET_PDEATHSIG); the new one starts its own.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from lit_rl.child_process import dies_with_parent, stop_process_group
 class EvaluatorProcess:
     def __init__(self, command: list[str], *, env: dict[str, str], log_path: Path, cpus: list[int] | None = None):
         self.command, self.env, self.log_path, self.cpus = list(command), dict(env), Path(log_path), cpus
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen
         self.given_up = False  # exited with no restart left: not started again
         self.start()
 

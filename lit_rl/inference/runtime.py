@@ -8,7 +8,7 @@ other parts only say what they need and ask for clients:
 - the rollout data module, at setup: `use(policy=..., teacher=..., tokenizer=...)`; when its
   rollouts start: `client_factory("policy" | "teacher")` and `policy_version`, then `on_sync(fn)`
   to hear of each new version, and `before_stop(fn)` to close them before the servers go;
-- OnlineEval: `use_evaluator()` at setup, then `start_evaluator(...)`, `finish_evaluator(...)`.
+- OnlineEval: `start_evaluator(...)`, `finish_evaluator(...)`.
 A run that declares nothing (plain SFT) starts no server.
 
 `lit-rl fit` adds one to every run; its options are the `inference:` section of a config
@@ -128,7 +128,6 @@ class InferenceRuntime(L.Callback):
         self.trust_remote_code = False
         self.policy_version: int | None = None  # the optimizer steps whose weights the policy's server serves
         self.endpoints: dict[str, Endpoint] = {}
-        self.runs_evaluator = False  # set by `use_evaluator`: rank 0 runs one (its restarts are logged)
         self.evaluator: EvaluatorProcess | None = None
         self.last_sync_s = 0.0
         self._listeners: list[Callable[[int], None]] = []
@@ -183,11 +182,6 @@ class InferenceRuntime(L.Callback):
         must share. A run that declares nothing (plain SFT) starts no server."""
         self.serves_policy, self.serves_teacher = policy, teacher and self.has_teacher
         self.tokenizer_name, self.trust_remote_code = tokenizer, trust_remote_code
-
-    def use_evaluator(self) -> None:
-        """OnlineEval (every rank, at setup): rank 0 will run an evaluator, which the runtime
-        starts again when it exits during training; `train/server_restarts` counts it."""
-        self.runs_evaluator = True
 
     def client_factory(self, role: str, **kwargs) -> Callable[[], Any]:
         """A no-argument factory of `InferenceClient`s of the `role` server (rank 0, once started):
@@ -369,7 +363,7 @@ class InferenceRuntime(L.Callback):
                 listener(step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.runs_evaluator:
+        if self.evaluator is not None:  # rank 0, with online evals
             self._keep_evaluator(trainer)
         if self.serves_policy:
             step = trainer.global_step
@@ -380,7 +374,7 @@ class InferenceRuntime(L.Callback):
                 self.sync(trainer, pl_module, step)
                 self.last_sync_s = time.perf_counter() - started
             pl_module.log("train/weight_sync_s", self.last_sync_s, on_step=True, on_epoch=False, batch_size=1)
-        if self.serves_policy or self.runs_evaluator:
+        if self.serves_policy or self.evaluator is not None:
             pl_module.log("train/server_restarts", float(self.server_restarts), on_step=True, on_epoch=False,
                           batch_size=1, rank_zero_only=True)
 
@@ -396,7 +390,7 @@ class InferenceRuntime(L.Callback):
         run's. Once none is left, training goes on without online evals (an eval never stops
         training), with a warning; the end of the run names its exit code again."""
         evaluator = self.evaluator
-        if evaluator is None or evaluator.given_up or stopping.requested(trainer):  # (a stop stops it anyway)
+        if evaluator.given_up or stopping.requested(trainer):  # (a stop stops it anyway)
             return
         code = evaluator.exit_code()
         if code is None:
