@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from helpers import TINY_MODEL
@@ -138,6 +139,14 @@ def test_reload_changes_outputs_and_restores_them_exactly(vllm_server):
     assert (again.completion_ids, again.logprobs) == (before.completion_ids, before.logprobs)
 
 
+async def generated_tokens(root_url: str) -> float:
+    """Tokens the server has decoded so far, from its Prometheus counter."""
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(root_url + "/metrics")).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
+
+
 def test_reload_during_generation_keeps_requests_going_and_no_token_mixes_weights_and_kv(vllm_server):
     """In-flight requests are paused, preempted by the prefix-cache reset and finish with the new
     weights. Every generated token's logprob is that of the old weights or of the new ones over
@@ -150,11 +159,15 @@ def test_reload_during_generation_keeps_requests_going_and_no_token_mixes_weight
     async def go():
         async with vllm_server.client() as client:
             await client.reload_weights(old)
+            before = await generated_tokens(vllm_server.server.root_url)
             running = [asyncio.create_task(client.generate(p, max_tokens=900, temperature=0.0, ignore_eos=True))
                        for p in PROMPTS]
-            await asyncio.sleep(0.3)
-            # the reload must land while generation is under way (how many finished first depends on load)
-            assert not all(t.done() for t in running), "every request finished before the reload"
+            # the reload must land while generation is under way: once every request can have decoded
+            # 8 tokens (the server's own count; a fixed sleep raced with a slow first schedule)
+            while await generated_tokens(vllm_server.server.root_url) < before + 8 * len(PROMPTS):
+                assert not any(t.done() for t in running), [t.result() for t in running if t.done()]
+                await asyncio.sleep(0.01)
+            assert not any(t.done() for t in running), "a request finished before the reload"
             assert await client.reload_weights(new) == 12
             return await asyncio.gather(*running), await client.health()
 
