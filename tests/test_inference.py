@@ -15,6 +15,7 @@ import asyncio
 import functools
 import inspect
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -359,10 +360,14 @@ def test_stop_kills_the_whole_process_group(tmp_path):
     server.stop()  # idempotent
 
 
-def test_vllm_keeps_its_sockets_in_a_directory_of_the_servers(vllm_server):
-    """A killed vLLM leaves its unix sockets behind; they are made in the server's own directory
-    (removed at stop, test above), not loose in the temp directory."""
-    assert any(path.is_socket() for path in Path(vllm_server.server._ipc_dir).iterdir())
+def test_vllm_keeps_its_sockets_and_temp_files_in_a_directory_of_the_servers(vllm_server):
+    """A killed vLLM leaves its unix sockets behind, and even a stopped one its rendezvous file
+    (the log names it); both are made in the server's own directory (removed at stop, test above),
+    not loose in the temp directory."""
+    private = Path(vllm_server.server._ipc_dir)
+    assert any(path.is_socket() for path in private.iterdir())
+    (store,) = re.findall(r"distributed_init_method=file://(\S+)", vllm_server.server.log_path.read_text())
+    assert Path(store).parent == private and Path(store).exists(), store
 
 
 def test_binding_other_addresses_is_warned_about(tmp_path, caplog):

