@@ -41,6 +41,8 @@ sets `updates_per_batch` 2 (TRL's `num_iterations`), `t07` samples at temperatur
 `scalebatch` / `scalenone` divide the advantage by the batch's reward std / by nothing (the
 default divides by the group's), `lr1e4`, `lr5e4`, `lr1e3`, `lr2e3`, `lr3e3` train at lr 1e-4, 5e-4, 1e-3, 2e-3, 3e-3 (AdamW, no
 weight decay), `lora` trains a LoRA adapter (rank 16, alpha 32, all linear layers) instead of every weight,
+after it `r4` / `r64` set the rank (alpha twice the rank: the same alpha / rank scale) and
+`alpha64` / `alpha128` the alpha (scale 4 / 8 at rank 16),
 `cos` decays the lr by a cosine to 0.1x over the run, `wcos` warms it up over 4 steps first. Any method, `trl`
 too, may carry `seedN` (`trl+seed1`): the run's seed (default: opd.yaml's `seed_everything`), to
 see how far two runs of one setting differ.
@@ -118,6 +120,8 @@ MODIFIERS = {"group1": ["--data.init_args.group_size", "1"], "fresh": ["--data.i
              **{f"lr{name}": ["--model.init_args.optimizer", json.dumps({"class_path": "torch.optim.AdamW", "init_args": {
                  "lr": lr, "weight_decay": 0.0}})] for name, lr in (("1e4", 1e-4), ("5e4", 5e-4), ("1e3", 1e-3), ("2e3", 2e-3), ("3e3", 3e-3))},
              "lora": ["--model.init_args.lora.rank", "16", "--model.init_args.lora.alpha", "32"],
+             **{f"r{r}": ["--model.init_args.lora.rank", str(r), "--model.init_args.lora.alpha", str(2 * r)] for r in (4, 64)},
+             **{f"alpha{a}": ["--model.init_args.lora.alpha", str(a)] for a in (64, 128)},
              "clip1": ["--model.init_args.advantage_clip", "1.0"], "noclip": ["--model.init_args.advantage_clip", "null"],
              "warmup10": ["--model.init_args.lr_scheduler", json.dumps({"class_path": "lit_rl.optim.LRSchedule", "init_args": {
                  "name": "constant_with_warmup", "warmup_steps": 10}})],

@@ -1,6 +1,7 @@
 """LoRA (lit_rl.lora): only the adapter trains; its exports load in peft, transformers and vLLM;
 the merged export equals the adapted model; bad options fail before training."""
 
+import asyncio
 import json
 
 import lightning as L
@@ -186,3 +187,62 @@ def test_a_resumed_lora_run_continues_exactly(tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_opd_with_lora_on_an_existing_server_trains_the_served_adapter_and_a_rank_above_its_max_is_refused(tmp_path):
+    """OPD with LoRA against an existing server (inference.base_url) started on the student with
+    run-time LoRA loading and `--max-lora-rank 8`. Rank 16 is refused before training, with one
+    message naming model.lora and the server's limit. Rank 8 trains: every sync loads only the
+    adapter, the sampler's logprobs are the trainer's at every step (mismatch_kl ~ 0 at staleness
+    0: the sampled-token reverse KL to a teacher in the trainer's process reads them), and after
+    the run the server gives fixed ids the log-probabilities of the last synced adapter in peft,
+    far from the base's."""
+    from peft import PeftModel
+
+    from lit_rl.inference.server import VLLMServer
+    from lit_rl.lora import lora_server_options
+    from test_cli import metrics_rows, run
+    from test_opd import opd_args
+    from vllm_fixtures import write_tiny_checkpoint
+
+    student = write_tiny_checkpoint(tmp_path / "student", seed=0)
+    teacher = write_tiny_checkpoint(tmp_path / "teacher", seed=1, logit_scale=4.0)
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(16))
+    server = VLLMServer(student, **lora_server_options(
+        {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "startup_timeout": 300,
+         "log_path": tmp_path / "vllm.log"}, 8))
+
+    def opd(root, rank, steps):
+        return run(opd_args(root, data, str(student), steps, "--inference.base_url", server.base_url, "--inference.server", "{}",
+                            "--inference.teacher_model", "null", "--inference.teacher_server", "{}",
+                            "--model.init_args.teacher_model", str(teacher),
+                            "--model.init_args.divergence", "sampled_reverse_kl", "--model.init_args.lora.rank", str(rank), "--model.init_args.lora.alpha", str(2 * rank),
+                            "--model.init_args.optimizer.init_args.lr", "0.05", "--data.init_args.max_staleness", "0",
+                            "--trainer.log_every_n_steps", "1"))
+
+    async def served_logprob_sums():  # of fixed ids, by the adapter the run loaded last and by the base
+        async with server.client(model="lit-rl-policy") as adapted, server.client(model=str(student)) as base:
+            return sum(await adapted.score(IDS)), sum(await base.score(IDS))
+
+    with server:
+        refused, trained = opd(tmp_path / "rank16", 16, 2), opd(tmp_path / "rank8", 8, 3)
+        by_adapter, by_base = asyncio.run(served_logprob_sums())
+    assert refused.returncode == 1
+    error = [line for line in refused.stderr.splitlines() if line.startswith("lit-rl fit: error:")]
+    assert len(error) == 1 and "model.lora (rank 16)" in error[0] and "max_lora_rank" in error[0], refused.stderr[-3000:]
+    assert not list((tmp_path / "rank16").glob("logs/version_*/metrics.csv"))  # nothing trained
+
+    assert trained.returncode == 0, trained.stderr[-4000:]
+    root = tmp_path / "rank8"
+    rows = [r for r in metrics_rows(root) if r.get("train/reverse_kl")]
+    assert len(rows) == 3
+    assert all(float(r["train/mismatch_kl"]) < 1e-3 for r in rows), [r["train/mismatch_kl"] for r in rows]
+    synced = sorted((root / "sync").glob("step_*"), key=lambda path: int(path.name[5:]))
+    assert synced and all(not (path / "model.safetensors").exists() and (path / ADAPTER_WEIGHTS).is_file()
+                          for path in synced), synced
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(student), synced[-1])
+    lp = torch.log_softmax(logits(model, IDS)[0].double(), -1)
+    assert by_adapter == pytest.approx(sum(lp[i - 1, IDS[i]].item() for i in range(1, len(IDS))), abs=1e-3)
+    assert abs(by_adapter - by_base) > 1e-2  # the adapter moved: serving the base would have shown
