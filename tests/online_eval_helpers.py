@@ -47,18 +47,6 @@ class CrashAtStep(L.Callback):
             raise RuntimeError(f"deliberate crash at step {trainer.global_step}")
 
 
-class PaceSteps(L.Callback):
-    """Sleeps `seconds` after every step: a test whose trainer only has to keep stepping while
-    servers start and die around it leaves them the CPU (on 2 cores a trainer at full speed
-    slowed every vLLM start of the test, and the other worker's tests)."""
-
-    def __init__(self, seconds: float = 0.2):
-        self.seconds = seconds
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        time.sleep(self.seconds)
-
-
 class WaitForEval(L.Callback):
     """Holds training at `wait_at` until the evaluator has handled `step`, so a test that wants
     every due step evaluated is not at the mercy of a loaded machine: an evaluator that falls

@@ -251,10 +251,9 @@ def test_a_dead_evaluator_server_is_restarted_and_a_trainer_crash_takes_both_dow
     envs = [{"class_path": "lit_rl.rollouts.ReverseTextEnv",
              "init_args": {"path": str(reverse_data / "test.jsonl"), "num_examples": 5}}]
     crash = {"class_path": "online_eval_helpers.CrashAtStep", "init_args": {"when": str(tmp_path / "crash_now")}}
-    pace = {"class_path": "online_eval_helpers.PaceSteps", "init_args": {"seconds": 0.2}}
     config = write_config(tmp_path, reverse_data, steps=1000, interval=50, envs=envs,
                           server={"max_model_len": 512, "dtype": "float32", "enforce_eager": True},
-                          extra_callbacks=[crash, pace])
+                          extra_callbacks=[crash])
     root = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO / "tests")}
     proc = subprocess.Popen([sys.executable, "-m", "lit_rl.cli", "fit", "--config", str(config)], cwd=REPO, env=env,
