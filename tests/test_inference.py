@@ -15,7 +15,6 @@ import asyncio
 import functools
 import inspect
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -39,7 +38,7 @@ from lit_rl.inference.client import (
 )
 from lit_rl.commands import serve as serve_command
 from lit_rl.inference.endpoint import open_endpoint
-from lit_rl.inference.server import ServerStartError, VLLMServer
+from lit_rl.inference.server import RENDEZVOUS_FILE, ServerStartError, VLLMServer
 from lit_rl.losses import shifted_token_logprobs
 from lit_rl.modules.model_loading import load_causal_lm
 from vllm_fixtures import write_tiny_checkpoint
@@ -218,7 +217,7 @@ def test_a_server_without_the_worker_extension_is_refused_a_tied_head_reload(tmp
 
     with server:
         before, after = run(refused_reload())
-        (store,) = re.findall(r"distributed_init_method=file://(\S+)", server.log_path.read_text())
+        (store,) = RENDEZVOUS_FILE.findall(server.log_path.read_text())
         assert Path(store).exists(), store
     assert (after.completion_ids, after.logprobs) == (before.completion_ids, before.logprobs)
     assert not Path(store).exists()  # vLLM's rendezvous file, which it leaves in /tmp, goes at stop

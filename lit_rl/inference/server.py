@@ -133,13 +133,16 @@ def remove_rendezvous_file(log_path: Path, offset: int) -> None:
     try:
         with open(log_path, "rb") as f:
             f.seek(offset)
-            text = f.read().decode("utf-8", "replace")
+            for line in f:  # the start-up lines only: a long run's log can be large, the name comes early
+                text = line.decode("utf-8", "replace")
+                for name in RENDEZVOUS_FILE.findall(text):
+                    path = Path(name)
+                    if path.parent == Path(tempfile.gettempdir()) and path.name.startswith("vllm_dist_"):
+                        path.unlink(missing_ok=True)
+                if "Application startup complete" in text:
+                    return
     except OSError:
         return
-    for name in RENDEZVOUS_FILE.findall(text):
-        path = Path(name)
-        if path.parent == Path(tempfile.gettempdir()) and path.name.startswith("vllm_dist_"):
-            path.unlink(missing_ok=True)
 
 
 _live: weakref.WeakSet[VLLMServer] = weakref.WeakSet()
