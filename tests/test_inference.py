@@ -303,6 +303,23 @@ def test_an_idle_server_leaves_the_cpu_alone(vllm_server):
     assert used < 0.3, f"the idle server used {used:.2f} CPU-s in 1 s"
 
 
+def test_the_server_process_leaves_once_vllm_returns_even_if_the_interpreter_teardown_would_hang():
+    """A vLLM server once hung after its shutdown was complete, in the interpreter's teardown,
+    and outlived its parent. The entry point leaves with os._exit once vLLM returns, after the
+    atexit hooks: here a thread that never ends (teardown would wait for it forever) keeps
+    nothing alive, the exit code is vLLM's, and an atexit hook still runs."""
+    script = textwrap.dedent("""
+        import atexit, runpy, sys, threading, time
+        threading.Thread(target=time.sleep, args=(3600,)).start()  # joined at teardown: a hang
+        atexit.register(print, "atexit hook ran")
+        sys.argv = ["vllm_main", "--help"]
+        runpy.run_module("lit_rl.inference.vllm_main", run_name="__main__", alter_sys=False)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--max-model-len" in done.stdout and done.stdout.rstrip().endswith("atexit hook ran"), done.stdout[-500:]
+
+
 def _pgid(pid: int) -> int | None:
     try:
         return os.getpgid(pid)

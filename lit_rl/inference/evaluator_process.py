@@ -19,6 +19,9 @@ from pathlib import Path
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_rl.child_process import dies_with_parent, stop_process_group
+from lit_rl.inference.server import VLLMServer
+
+EVALUATOR_STOP_GRACE = VLLMServer.STOP_TIMEOUT + 20.0  # seconds between SIGTERM and SIGKILL
 
 
 class EvaluatorProcess:
@@ -54,4 +57,7 @@ class EvaluatorProcess:
     def stop(self) -> None:
         if self.proc.poll() is None:
             rank_zero_info(f"InferenceRuntime: stopping the evaluator (pid {self.proc.pid})")
-            stop_process_group(self.proc, grace=20.0)  # SIGTERM: it stops its own server first
+            # SIGTERM: it stops its own server first, which may take that server's whole grace
+            # (SIGKILL after VLLMServer.stop_timeout): the evaluator is given longer, or it would be
+            # killed first and a server that hangs on its way out would be left behind
+            stop_process_group(self.proc, grace=EVALUATOR_STOP_GRACE)

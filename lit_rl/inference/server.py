@@ -180,6 +180,8 @@ def _install_hooks() -> None:
 
 
 class VLLMServer:
+    STOP_TIMEOUT = 20.0  # default seconds between SIGTERM and SIGKILL of the process group
+
     def __init__(
         self,
         model: str | Path,
@@ -200,7 +202,7 @@ class VLLMServer:
         env: dict[str, str] | None = None,
         log_path: str | Path | None = None,
         startup_timeout: float = 600.0,
-        stop_timeout: float = 20.0,
+        stop_timeout: float = STOP_TIMEOUT,
         allowed_root: str | Path | None = None,
         spin_wait_s: float | None = None,
         stop_on_sigterm: bool = True,

@@ -14,16 +14,25 @@ it holds in vLLM's forked processes (inherited) and in spawned ones (multiproces
 the parent's `__main__`, this module, as `__mp_main__` in the child; vLLM spawns its engine core
 and CPU worker).
 
+Once vLLM's server has returned (its shutdown is complete), the process runs its atexit hooks and
+leaves with `os._exit`, skipping the interpreter's own teardown: a server once hung there after
+"Application shutdown complete" (nanobind's leak report printed, its engine gone) until it was
+killed, and one whose parent had died (PR_SET_PDEATHSIG's SIGTERM was its only stop) was left
+behind for good.
+
     python -m lit_rl.inference.vllm_main --model ... (any `vllm.entrypoints.openai.api_server` argument)
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import inspect
 import logging
 import os
 import runpy
+import sys
+import traceback
 
 SPIN_ENV = "LIT_RL_VLLM_SPIN_S"
 
@@ -53,6 +62,29 @@ if __name__ in ("__main__", "__mp_main__") and os.environ.get(SPIN_ENV):  # the 
         logging.getLogger(__name__).warning(
             "%s is set but this vLLM has no SpinCondition(busy_loop_s); its readers keep their own spin", SPIN_ENV)
 
+
+def exit_now(code: object) -> None:
+    """Leave as the interpreter would with `sys.exit(code)`, but after the atexit hooks only."""
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+    status = code if isinstance(code, int) else (0 if code is None else 1)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    # alter_sys=False keeps this module as __main__, so the processes vLLM spawns import it again
-    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=False)
+    exit_code: object = 0
+    try:
+        # alter_sys=False keeps this module as __main__, so the processes vLLM spawns import it again
+        runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=False)
+    except SystemExit as e:
+        exit_code = e.code
+    except BaseException:
+        traceback.print_exc()
+        exit_code = 1
+    exit_now(exit_code)
