@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib.util
 
 #: import name -> (pip name, lit-rl extra)
-OPTIONAL = {"math_verify": ("math-verify", "envs"), "reasoning_gym": ("reasoning-gym", "envs")}
+OPTIONAL = {"math_verify": ("math-verify", "envs"), "reasoning_gym": ("reasoning-gym", "envs"),
+            "verifiers": ("verifiers", "envs")}
 
 
 def require(module: str, user: str) -> None:
