@@ -107,6 +107,35 @@ def test_verifiers_own_user_sim_env_runs_unchanged_and_trains_the_assistant_only
         assert "Reverse the text" not in TOK.decode(sample.input_ids)
 
 
+def test_a_reward_that_raises_rejects_its_task_under_the_buffers_rules_naming_it(vllm_server):
+    """A reward plugged through the taskset's config (verifiers' own mechanism) fails on task w1:
+    the error names the taskset and the task, and the buffer retries, then rejects that task."""
+    from lit_rl.rollouts.buffer import RolloutBuffer
+    from lit_rl.rollouts.reward_functions import RewardFunctionError
+
+    plugged = {"task": {"rewards": {"grader": {"fn": "vf_reverse.grader_down_on_lit_rl", "weight": 0.25}}}}
+    env = VerifiersEnv("vf_reverse", taskset_args=plugged, max_tokens=4)
+
+    async def one(task):
+        async with vllm_server.client() as client:
+            return await env.episode(task, client, TOK, {"max_tokens": 4})
+
+    with pytest.raises(RewardFunctionError, match=r"VerifiersEnv 'vf_reverse', task w1: .*the grader is down"):
+        asyncio.run(one(env.tasks()[1]))
+    _, trace = asyncio.run(one(env.tasks()[0]))
+    assert trace.rewards["grader"].score == 1.0 and trace.rewards["grader"].weight == 0.25
+    buffer = RolloutBuffer(env, vllm_server.client, TOK, TrainSampling(max_tokens=4), batch_size=4, group_size=2,
+                           max_concurrency=8, num_batches=4, num_retries=1, retry_backoff=0.01)
+
+    async def collect():
+        async with buffer:
+            return [b async for b in buffer]
+
+    trained = [s.metadata["task_id"] for b in asyncio.run(collect()) for s in b]
+    assert len(trained) == 16 and "w1" not in trained
+    assert buffer.metrics()["rollout/rejected"] >= 1 and buffer.counters["retries"] >= 1
+
+
 def test_bad_input_is_one_error_naming_what_is_wrong(monkeypatch):
     import importlib.util
 

@@ -27,6 +27,14 @@ class ReverseTask(vf.Task[ReverseData, vf.State, vf.TaskConfig]):
         return float(trace.num_turns)
 
 
+async def grader_down_on_lit_rl(task, trace) -> float:
+    """A reward plugged by config (`taskset_args: {task: {rewards: {grader: {fn: ...}}}}`) that fails
+    on one task."""
+    if task.text == "lit-rl":
+        raise RuntimeError("the grader is down")
+    return 1.0
+
+
 class ReverseTaskset(vf.Taskset[ReverseTask, vf.TasksetConfig]):
     def load(self):
         for i, word in enumerate(WORDS):

@@ -171,8 +171,6 @@ class Environment:
     async def evaluate(self, run: EvalRun) -> dict[str, float]:
         """Sample every task from the served checkpoint, score, and return the metrics
         (mean reward; pass@1 and pass@k with several samples per prompt)."""
-        from lit_rl.eval.metrics import task_metrics
-
         tasks = self.tasks()
         s = self.sampling
 
@@ -185,22 +183,31 @@ class Environment:
             return texts, *(await self.score_group(texts, task, [o.completion_ids for o in outs]))
 
         results = await asyncio.gather(*(one(t) for t in tasks))
-        metrics = task_metrics(self.samples_per_prompt)
-        part_sums: dict[str, list[float]] = {}
         for task, (texts, rewards, parts) in zip(tasks, results):
-            for name, metric in metrics.items():
-                if name == "reward":
-                    for r in rewards:
-                        metric.update(r)
-                else:
-                    metric.update(rewards)
-            for name, values in parts.items():
-                part_sums.setdefault(name, []).extend(v for v in values if v is not None)
             for i, (text, reward) in enumerate(zip(texts, rewards)):
                 run.traces.append({"prompt": self.prompt(task), "completion": text, "reward": reward, **parts_of(parts, i)})
-        out = {name: float(metric.compute()) for name, metric in metrics.items()}
-        out.update({f"reward/{name}": sum(v) / len(v) for name, v in part_sums.items() if v})
-        return out
+        return eval_metrics([(rewards, parts) for _, rewards, parts in results], self.samples_per_prompt)
+
+
+def eval_metrics(scored: list[tuple[list[float], dict[str, list[float | None]]]], samples_per_prompt: int) -> dict[str, float]:
+    """An eval's metrics from each task's rewards and named parts (`score_group`'s two results):
+    mean reward (pass@1, pass@k with several samples per task) and each part's mean."""
+    from lit_rl.eval.metrics import task_metrics
+
+    metrics = task_metrics(samples_per_prompt)
+    part_values: dict[str, list[float]] = {}
+    for rewards, parts in scored:
+        for name, metric in metrics.items():
+            if name == "reward":
+                for r in rewards:
+                    metric.update(r)
+            else:
+                metric.update(rewards)
+        for name, values in parts.items():
+            part_values.setdefault(name, []).extend(v for v in values if v is not None)
+    out = {name: float(metric.compute()) for name, metric in metrics.items()}
+    out.update({f"reward/{name}": sum(v) / len(v) for name, v in part_values.items() if v})
+    return out
 
 
 def parts_of(parts: dict[str, list[float | None]], i: int) -> dict:

@@ -34,7 +34,8 @@ from lit_rl.data.samples import SampleGroup
 from lit_rl.inference.client import chat_prompt_ids
 from lit_rl.rewards.extras import require
 from lit_rl.rollouts.context import RolloutContext
-from lit_rl.rollouts.envs import Environment, EvalRun
+from lit_rl.rollouts.envs import Environment, EvalRun, eval_metrics
+from lit_rl.rollouts.reward_functions import RewardFunctionError
 from lit_rl.rollouts.turns import Transcript, completion_text
 
 
@@ -112,6 +113,7 @@ class VerifiersEnv(Environment):
         """Play one episode of `task`: the env's `setup`, `run` and `finalize` with lit-rl's
         agents. Returns the trainable agent's `(Transcript, Trace)`."""
         from verifiers.v1.episode import EnvInfo, Episode
+        from verifiers.v1.errors import TaskError
         from verifiers.v1.trace import TraceTask
 
         vf_env, vf_task = self.vf_env(), self.vf_task(task)
@@ -119,9 +121,12 @@ class VerifiersEnv(Environment):
                           task=TraceTask(type=type(vf_task).__name__, data=vf_task.data, key=vf_task.key, hash=vf_task.hash))
         play = _Play(client, tokenizer, sampling, dict(chat_template_kwargs or {}), self.max_turns, episode)
         agents = _Agents(vf_env, play)
-        await vf_env.setup(agents)
-        await vf_env.run(vf_task, agents)
-        await vf_env.finalize(vf_task, episode)
+        try:
+            await vf_env.setup(agents)
+            await vf_env.run(vf_task, agents)
+            await vf_env.finalize(vf_task, episode)
+        except TaskError as e:  # the task's scoring raised: retried, then the task rejected, as a reward function's
+            raise RewardFunctionError(f"VerifiersEnv {self.taskset!r}, task {task['id']}: {e}") from e
         trained = [(t, trace) for t, trace in play.played if trace.agent.trainable]
         if len(trained) != 1:
             raise ValueError(f"VerifiersEnv {self.taskset!r}: an episode gave {len(trained)} trainable agent runs; "
@@ -141,35 +146,21 @@ class VerifiersEnv(Environment):
     async def evaluate(self, run: EvalRun) -> dict[str, float]:
         """Every task played `samples_per_prompt` times with the eval sampling; mean reward (and
         pass@k), and each named reward on its own."""
-        from transformers import AutoTokenizer
-
-        from lit_rl.eval.metrics import task_metrics
-
-        tokenizer = AutoTokenizer.from_pretrained(run.step_dir)
+        tokenizer = await run.client.tokenizer()  # the served model's, as `chat` renders with
         s = self.sampling
         sampling = {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
         tasks = self.tasks()
         results = await asyncio.gather(*(
             asyncio.gather(*(self.episode(task, run.client, tokenizer, sampling) for _ in range(self.samples_per_prompt)))
             for task in tasks))
-        metrics = task_metrics(self.samples_per_prompt)
-        parts: dict[str, list[float]] = {}
+        scored = []
         for task, played in zip(tasks, results):
-            rewards = [trace.reward for _, trace in played]
-            for name, metric in metrics.items():
-                if name == "reward":
-                    for r in rewards:
-                        metric.update(r)
-                else:
-                    metric.update(rewards)
-            for _, trace in played:
-                for name, value in _reward_parts(trace).items():
-                    parts.setdefault(name, []).append(value)
-                run.traces.append({"prompt": self.prompt(task), "completion": trace.last_reply,
-                                   "reward": trace.reward, "rewards": _reward_parts(trace)})
-        out = {name: float(metric.compute()) for name, metric in metrics.items()}
-        out.update({f"reward/{name}": sum(v) / len(v) for name, v in parts.items() if v})
-        return out
+            traces = [trace for _, trace in played]
+            parts = [_reward_parts(trace) for trace in traces]
+            scored.append(([trace.reward for trace in traces], {name: [p.get(name) for p in parts] for name in parts[0]}))
+            run.traces += [{"prompt": self.prompt(task), "completion": trace.last_reply, "reward": trace.reward,
+                            "rewards": part} for trace, part in zip(traces, parts)]
+        return eval_metrics(scored, self.samples_per_prompt)
 
 
 def _reward_parts(trace) -> dict[str, float]:
