@@ -8,8 +8,9 @@ whole file, not one case. Skipped, each with its reason:
 - the README's two opening commands, which build the environment from nothing (CI runs them,
   .ci/run);
 - a command already run from an earlier block (the README repeats docs/cli.md).
-A command marked `# runs until Ctrl-C` (a server) is started, must print that it is ready,
-and is then stopped with Ctrl-C (SIGINT), as a user would.
+A command marked `# runs until Ctrl-C` (a server) is started and must print that it is ready;
+it stays up for the next command (which may use it, as a user would from another terminal)
+and is then stopped with Ctrl-C (SIGINT), which must end it with code 130.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -72,8 +74,8 @@ def workspace(tmp_path_factory) -> tuple[Path, dict]:
     return root, env
 
 
-def run_until_ready(command: str, cwd: Path, env: dict, timeout: float = 300) -> str:
-    """Start a server command, wait for its 'ready' line, stop it with Ctrl-C; its output."""
+def start_until_ready(command: str, cwd: Path, env: dict, timeout: float = 300) -> tuple[subprocess.Popen, list[str]]:
+    """Start a server command and wait for its 'ready' line; the process and its output so far."""
     proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines, deadline = [], time.time() + timeout
@@ -83,8 +85,21 @@ def run_until_ready(command: str, cwd: Path, env: dict, timeout: float = 300) ->
             if READY.search(line) or time.time() > deadline:
                 break
         assert any(READY.search(line) for line in lines), "".join(lines)[-3000:]
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    # read on while it serves, so that a full pipe never blocks it
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    return proc, lines
+
+
+def stop_with_ctrl_c(proc: subprocess.Popen, lines: list[str]) -> str:
+    """Ctrl-C a server started by `start_until_ready`: it must exit with 130. Its whole output."""
+    try:
         proc.send_signal(signal.SIGINT)
-        lines += proc.communicate(timeout=120)[0]
+        proc.wait(timeout=120)
+        time.sleep(0.5)  # the reader thread takes the last lines
         assert proc.returncode == 130, "".join(lines)[-3000:]
     finally:
         if proc.poll() is None:
@@ -98,6 +113,14 @@ def run_until_ready(command: str, cwd: Path, env: dict, timeout: float = 300) ->
 
 
 _run_so_far: list[str] = []
+_serving: list[tuple[subprocess.Popen, list[str]]] = []  # a server command kept up for the next command
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_server_outlives_the_file():
+    yield
+    while _serving:
+        stop_with_ctrl_c(*_serving.pop())
 
 
 @pytest.mark.slow
@@ -109,9 +132,13 @@ def test_documented_command_runs(doc, command, workspace):
         pytest.skip(reason)
     _run_so_far.append(command)
     if command.endswith(UNTIL_CTRL_C):
-        run_until_ready(command, cwd, env)
+        _serving.append(start_until_ready(command, cwd, env))
         return
-    out = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    try:
+        out = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        while _serving:  # the server the command may have used: stopped as a user would
+            stop_with_ctrl_c(*_serving.pop())
     assert out.returncode == 0, f"{doc}: {command}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
 
 
