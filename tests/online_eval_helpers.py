@@ -65,6 +65,27 @@ class WaitForEval(L.Callback):
             time.sleep(0.2)
 
 
+class KillEvaluatorAt(L.Callback):
+    """SIGKILLs the run's evaluator process at the end of `step` (an OOM, a kill by hand); its pid
+    goes into `<root>/killed_evaluator`. The run's runtime finds it exited at a later step."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step != self.step:
+            return
+        import os
+        import signal
+
+        from lit_rl.inference.runtime import InferenceRuntime
+
+        evaluator = InferenceRuntime.of(trainer).evaluator
+        os.kill(evaluator.pid, signal.SIGKILL)
+        evaluator.wait(timeout=30)
+        (Path(trainer.default_root_dir) / "killed_evaluator").write_text(str(evaluator.pid))
+
+
 def evaluator_processes(root: Path) -> list[int]:
     """pids of evaluator processes working on `root`, and of vLLM servers serving from it."""
     import psutil

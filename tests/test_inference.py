@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -38,7 +39,7 @@ from lit_rl.inference.client import (
 )
 from lit_rl.commands import serve as serve_command
 from lit_rl.inference.endpoint import open_endpoint
-from lit_rl.inference.server import RENDEZVOUS_FILE, ServerStartError, VLLMServer
+from lit_rl.inference.server import IPC_PREFIX, RENDEZVOUS_FILE, ServerStartError, VLLMServer
 from lit_rl.losses import shifted_token_logprobs
 from lit_rl.modules.model_loading import load_causal_lm
 from vllm_fixtures import write_tiny_checkpoint
@@ -403,7 +404,9 @@ def test_binding_other_addresses_is_warned_about(tmp_path, caplog):
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "exit"])
 def test_server_dies_with_its_parent(tmp_path, how):
-    """SIGKILL: Linux's parent-death signal; SIGTERM: lit-rl's handler; exit: the atexit hook."""
+    """SIGKILL: Linux's parent-death signal; SIGTERM: lit-rl's handler; exit: the atexit hook.
+    A SIGKILLed parent never stops its server, so the server's socket directory is left: the next
+    start of a server (by any process) removes it."""
     code = "import sys, time\nfrom pathlib import Path\nfrom lit_rl.inference.server import VLLMServer\n" + inspect.getsource(FakeServer)
     code += textwrap.dedent(f"""
         s = FakeServer("fake", log_path={str(tmp_path / 'log')!r}, stop_timeout=5).start()
@@ -423,6 +426,11 @@ def test_server_dies_with_its_parent(tmp_path, how):
     for pid in leftovers:  # never leave them behind, even when the test fails
         os.kill(int(pid), signal.SIGKILL)
     assert leftovers == []
+    sockets = Path(tempfile.gettempdir()).glob(f"{IPC_PREFIX}{parent.pid}-*")
+    if how == "SIGKILL":
+        assert list(sockets), "the killed parent's server left no socket directory to clean"
+        FakeServer("fake", log_path=tmp_path / "next.log", stop_timeout=5).start().stop()  # the next start
+    assert not list(Path(tempfile.gettempdir()).glob(f"{IPC_PREFIX}{parent.pid}-*"))
 
 
 def test_bad_server_arguments_are_reported_together():
