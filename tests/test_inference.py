@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
@@ -406,17 +405,18 @@ def test_binding_other_addresses_is_warned_about(tmp_path, caplog):
 def test_server_dies_with_its_parent(tmp_path, how):
     """SIGKILL: Linux's parent-death signal; SIGTERM: lit-rl's handler; exit: the atexit hook.
     A SIGKILLed parent never stops its server, so the server's socket directory is left: the next
-    start of a server (by any process) removes it."""
+    start of a server (by any process: the other test worker's may come first) removes it."""
     code = "import sys, time\nfrom pathlib import Path\nfrom lit_rl.inference.server import VLLMServer\n" + inspect.getsource(FakeServer)
     code += textwrap.dedent(f"""
         s = FakeServer("fake", log_path={str(tmp_path / 'log')!r}, stop_timeout=5).start()
-        print(s.proc.pid, flush=True)
+        print(s.proc.pid, s._ipc_dir, flush=True)
         time.sleep(0 if {how!r} == "exit" else 600)
     """)
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    pgid = int(parent.stdout.readline())
+    pgid, sockets = parent.stdout.readline().split()
+    pgid = int(pgid)
     if how != "exit":
-        assert group_members(pgid)
+        assert group_members(pgid) and Path(sockets).is_dir()  # its starter alive: no start removes it
         parent.send_signal(getattr(signal, how))
     parent.wait(timeout=30)
     deadline = time.monotonic() + 15
@@ -426,11 +426,9 @@ def test_server_dies_with_its_parent(tmp_path, how):
     for pid in leftovers:  # never leave them behind, even when the test fails
         os.kill(int(pid), signal.SIGKILL)
     assert leftovers == []
-    sockets = Path(tempfile.gettempdir()).glob(f"{IPC_PREFIX}{parent.pid}-*")
     if how == "SIGKILL":
-        assert list(sockets), "the killed parent's server left no socket directory to clean"
         FakeServer("fake", log_path=tmp_path / "next.log", stop_timeout=5).start().stop()  # the next start
-    assert not list(Path(tempfile.gettempdir()).glob(f"{IPC_PREFIX}{parent.pid}-*"))
+    assert Path(sockets).name.startswith(f"{IPC_PREFIX}{parent.pid}-") and not Path(sockets).exists()
 
 
 def test_bad_server_arguments_are_reported_together():
