@@ -74,8 +74,10 @@ def workspace(tmp_path_factory) -> tuple[Path, dict]:
     return root, env
 
 
-def start_until_ready(command: str, cwd: Path, env: dict, timeout: float = 300) -> tuple[subprocess.Popen, list[str]]:
-    """Start a server command and wait for its 'ready' line; the process and its output so far."""
+def start_until_ready(command: str, cwd: Path, env: dict, timeout: float = 300
+                      ) -> tuple[subprocess.Popen, list[str], threading.Thread]:
+    """Start a server command and wait for its 'ready' line; the process, its output (growing) and
+    the thread that reads it on."""
     proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines, deadline = [], time.time() + timeout
@@ -90,16 +92,17 @@ def start_until_ready(command: str, cwd: Path, env: dict, timeout: float = 300) 
         proc.wait()
         raise
     # read on while it serves, so that a full pipe never blocks it
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    return proc, lines
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    return proc, lines, reader
 
 
-def stop_with_ctrl_c(proc: subprocess.Popen, lines: list[str]) -> str:
+def stop_with_ctrl_c(proc: subprocess.Popen, lines: list[str], reader: threading.Thread) -> str:
     """Ctrl-C a server started by `start_until_ready`: it must exit with 130. Its whole output."""
     try:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=120)
-        time.sleep(0.5)  # the reader thread takes the last lines
+        reader.join(timeout=30)  # its last lines, up to the end of its output
         assert proc.returncode == 130, "".join(lines)[-3000:]
     finally:
         if proc.poll() is None:
@@ -113,7 +116,7 @@ def stop_with_ctrl_c(proc: subprocess.Popen, lines: list[str]) -> str:
 
 
 _run_so_far: list[str] = []
-_serving: list[tuple[subprocess.Popen, list[str]]] = []  # a server command kept up for the next command
+_serving: list[tuple[subprocess.Popen, list[str], threading.Thread]] = []  # a server command kept up for the next command
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -31,7 +31,6 @@ import time
 from typing import Any
 
 from lit_rl.data.samples import SampleGroup
-from lit_rl.inference.client import chat_prompt_ids
 from lit_rl.rewards.extras import require
 from lit_rl.rollouts.context import RolloutContext
 from lit_rl.rollouts.envs import Environment, EvalRun, eval_metrics
@@ -186,8 +185,13 @@ def _opening(data) -> list[dict]:
     if isinstance(data.prompt, str):
         messages.append({"role": "user", "content": data.prompt})
     elif data.prompt:
-        messages += [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else dict(m) for m in data.prompt]
+        messages += [_chat_dict(m) for m in data.prompt]
     return messages
+
+
+def _chat_dict(message) -> dict:
+    """A verifiers message (pydantic) or a wire dict, as a chat dict."""
+    return message.model_dump(exclude_none=True) if hasattr(message, "model_dump") else dict(message)
 
 
 class _Play:
@@ -249,7 +253,7 @@ class _Exchange:
 
         self.agent, self.task, self.play = agent, task, agent._play
         info = AgentInfo(config=AgentConfig(model=getattr(agent.config, "model", None) or "lit-rl-policy"),
-                         name=agent.name, trainable=agent.trainable)
+                         name=agent.name)
         self.trace = Trace(task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
                            agent=info)
         self.messages = _opening(task.data)  # the conversation so far, as chat dicts
@@ -277,8 +281,8 @@ class _Exchange:
         new = [] if message is None else _user_messages(message)
         self.messages += new
         if self.transcript is None:
-            ids = chat_prompt_ids(self.play.tokenizer, self.messages, None, self.play.chat_template_kwargs)
-            self.transcript = Transcript(self.play.tokenizer, ids, chat_template_kwargs=self.play.chat_template_kwargs)
+            self.transcript = Transcript.from_messages(self.play.tokenizer, self.messages,
+                                                       chat_template_kwargs=self.play.chat_template_kwargs)
         else:
             self.transcript.add_messages(new)
         prompt_ids = self.transcript.prompt_ids
@@ -303,7 +307,7 @@ class _Exchange:
         if self.transcript is None or not self.transcript.completions:
             raise ValueError(f"VerifiersEnv: agent {self.agent.name!r} ended its run without a model turn")
         self.trace.stop("user_closed")
-        self.trace.agent.trainable = self.agent.trainable
+        self.trace.agent.trainable = self.agent.trainable  # as the env's setup left it
         await self.task.score(self.trace)
         self.play.episode.traces.append(self.trace)
         self.play.played.append((self.transcript, self.trace))
@@ -313,7 +317,7 @@ class _Exchange:
 def _user_messages(message) -> list[dict]:
     if isinstance(message, str):
         return [{"role": "user", "content": message}]
-    return [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else dict(m) for m in message]
+    return [_chat_dict(m) for m in message]
 
 
 def _vf_message(message: dict):
