@@ -2,7 +2,7 @@
 assistant turn its answer, exactly as `ReasoningGymEnv` prompts and scores them (no system
 prompt, the answer given directly: ``system_prompt: null, answer_tag: null`` in grpo.yaml).
 
-The tasks come from `--task-seed` (0, the seed grpo.yaml trains on); evals use seed 1,000,000.
+The tasks come from `--task-seed` (0); grpo.yaml trains on seed 2,000,000 and evals use 1,000,000.
 reasoning-gym draws task i of a dataset with seed s from `Random(s + i)`, so seeds 0 and 1 share
 all but one task: a held-out seed must lie beyond the training tasks' range. spell_backward also
 draws its words from a fixed list, so a held-out word can still appear here: the script prints

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # reasoning-gym on CPU: SFT of the tiny model on spell_backward tasks (seed 0), then GRPO on the
-# same generator, scored before and after on held-out tasks (seed 1,000,000) with `lit-rl evaluate`.
+# same generator's tasks from another seed (2,000,000), scored before and after on held-out tasks
+# (seed 1,000,000) with `lit-rl evaluate`.
 #   bash examples/reasoning_gym/run_demo.sh [extra lit-rl fit flags for the GRPO run]
 # e.g. --seed_everything 1 --data.init_args.seed 1 (and ROOT=runs/reasoning_gym_grpo_seed1)
 set -euo pipefail
@@ -8,7 +9,7 @@ cd "$(dirname "$0")/../.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 SFT_ROOT=${SFT_ROOT:-runs/reasoning_gym_sft}
 ROOT=${ROOT:-runs/reasoning_gym_grpo}
-START="$SFT_ROOT/weights/step_200"
+START="$SFT_ROOT/weights/step_300"
 HELD_OUT='"dataset": "spell_backward", "size": 200, "task_seed": 1000000, "config": {"max_word_len": 6},
   "system_prompt": null, "answer_tag": null, "max_tokens": 16'
 score() {  # every stable checkpoint under $1: greedy, and 4 samples per task at T=1
@@ -22,7 +23,7 @@ if [ ! -f "$START/STABLE" ]; then
   .venv/bin/python examples/reasoning_gym/make_data.py --out examples/reasoning_gym/data
   echo "== SFT: lit-rl fit --config examples/reasoning_gym/sft.yaml"
   .venv/bin/lit-rl fit --config examples/reasoning_gym/sft.yaml --trainer.default_root_dir "$SFT_ROOT"
-  echo "== held-out reward of the SFT model (every export; GRPO starts from step 200)"
+  echo "== held-out reward of the SFT model (every export; GRPO starts from step 300)"
   score "$SFT_ROOT/weights"
 fi
 echo "== GRPO: lit-rl fit --config examples/reasoning_gym/grpo.yaml"
