@@ -75,9 +75,6 @@ class KillEvaluatorAt(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step != self.step:
             return
-        import os
-        import signal
-
         from lit_rl.inference.runtime import InferenceRuntime
 
         evaluator = InferenceRuntime.of(trainer).evaluator
