@@ -23,7 +23,8 @@ with real vLLM servers:
                `opd.yaml` with the teacher on its own vLLM server returning its top 20 tokens per
                position (`teacher_top_k`), that divergence over them and a tail bin.
   trl_grpo     TRL's `GRPOTrainer` (a child process, `bench/trl_grpo.py`): the GRPO method's settings,
-               the same prompts in lit-rl's draw order; `+iterN` (num_iterations), `+t07`, `+seedN`.
+               the same prompts in lit-rl's draw order; `+iterN` (num_iterations), `+t07`, `+lr1e4`
+               (and the other lr modifiers below), `+seedN`.
   trl          TRL's `DistillationTrainer` (a child process): on-policy, beta 1.0 (reverse KL over
                the whole vocabulary), teacher in process, `use_vllm=False`, opd.yaml's lr and AdamW
                (no weight decay, constant rate, clipping at 1.0), 64 completions per step (16 x 4
@@ -39,8 +40,9 @@ default since 2026-12-04), `noclip` does not, `warmup10`
 warms the lr up linearly over 10 steps (transformers' constant_with_warmup). For `grpo`: `upb2`
 sets `updates_per_batch` 2 (TRL's `num_iterations`), `t07` samples at temperature 0.7,
 `scalebatch` / `scalenone` divide the advantage by the batch's reward std / by nothing (the
-default divides by the group's), `lr1e4`, `lr5e4`, `lr1e3`, `lr2e3`, `lr3e3` train at lr 1e-4, 5e-4, 1e-3, 2e-3, 3e-3 (AdamW, no
-weight decay), `lora` trains a LoRA adapter (rank 16, alpha 32, all linear layers) instead of every weight,
+default divides by the group's), `lr1e4`, `lr3e4`, `lr5e4`, `lr1e3`, `lr2e3`, `lr3e3` train at
+lr 1e-4, 3e-4 (grpo.yaml's until 2026-12-05: the GRPO tables in docs/benchmarks.md before then),
+5e-4, 1e-3, 2e-3, 3e-3 (AdamW, no weight decay), `lora` trains a LoRA adapter (rank 16, alpha 32, all linear layers) instead of every weight,
 after it `r4` / `r64` set the rank (alpha twice the rank: the same alpha / rank scale) and
 `alpha64` / `alpha128` the alpha (scale 4 / 8 at rank 16),
 `cos` decays the lr by a cosine to 0.1x over the run, `wcos` warms it up over 4 steps first. Any method, `trl`
@@ -118,7 +120,7 @@ MODIFIERS = {"group1": ["--data.init_args.group_size", "1"], "fresh": ["--data.i
              "upb2": ["--model.init_args.updates_per_batch", "2"], "t07": ["--data.init_args.temperature", "0.7"],
              "scalebatch": ["--data.init_args.scale", "batch"], "scalenone": ["--data.init_args.scale", "none"],
              **{f"lr{name}": ["--model.init_args.optimizer", json.dumps({"class_path": "torch.optim.AdamW", "init_args": {
-                 "lr": lr, "weight_decay": 0.0}})] for name, lr in (("1e4", 1e-4), ("5e4", 5e-4), ("1e3", 1e-3), ("2e3", 2e-3), ("3e3", 3e-3))},
+                 "lr": lr, "weight_decay": 0.0}})] for name, lr in trl_grpo.LRS.items()},
              "lora": ["--model.init_args.lora.rank", "16", "--model.init_args.lora.alpha", "32"],
              **{f"r{r}": ["--model.init_args.lora.rank", str(r), "--model.init_args.lora.alpha", str(2 * r)] for r in (4, 64)},
              **{f"alpha{a}": ["--model.init_args.lora.alpha", str(a)] for a in (64, 128)},
@@ -177,7 +179,7 @@ def parse_args(argv=None):
     unknown = sorted(m for m in args.methods if not known(m))
     if unknown:
         p.error(f"unknown methods {unknown}; known: {list(CONFIGS)}, lit-rl's with +{'/+'.join(MODIFIERS)}, "
-                "trl_grpo with +iterN/+t07, any with +seedN")
+                "trl_grpo with +iterN/+t07/+lrNAME, any with +seedN")
     for what in ("student", "teacher"):
         if not os.path.isfile(os.path.join(getattr(args, what), "STABLE")):
             p.error(f"--{what} {getattr(args, what)} is not a finished checkpoint; bash examples/reverse_text/run_opd_demo.sh makes both")

@@ -9,8 +9,9 @@ Matched to lit-rl's GRPO: 8 prompts x 8 completions per optimizer step (`num_gen
 without weight decay, constant rate, gradient clipping at 1.0, float32, no gradient
 checkpointing. Modifiers: `iterN` sets `num_iterations` N (each generation batch feeds N
 optimizer steps: lit-rl's `updates_per_batch`), `t07` samples at temperature 0.7 (lit-rl's
-`+t07`), `seedN` the seed. `use_vllm=False`: TRL generates with the trained model itself, so
-its samples are exactly on-policy (lit-rl's come from a vLLM server up to one step stale).
+`+t07`), `lr1e4`, `lr3e4`, ... train at that rate instead of grpo.yaml's (`LRS`, as lit-rl's
+`+lr1e4`, ...), `seedN` the seed. `use_vllm=False`: TRL generates with the trained model itself,
+so its samples are exactly on-policy (lit-rl's come from a vLLM server up to one step stale).
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from trl_child import export_and_clock, read_spec, run_child, write_speed
 
 GRPO_CONFIG = os.path.join(REPO, "examples", "reverse_text", "grpo.yaml")
 MICRO = 16
+#: the `lrNAME` modifiers (here and for lit-rl's methods in bench/distillation.py): AdamW at that rate
+LRS = {"1e4": 1e-4, "3e4": 3e-4, "5e4": 5e-4, "1e3": 1e-3, "2e3": 2e-3, "3e3": 3e-3}
 
 
 def modifiers(method: str) -> dict:
-    """`iterN`, `t07` and `seedN` of a `trl_grpo+...` method; unknown ones are an error."""
-    out = {"num_iterations": 1, "temperature": 1.0, "seed": None}
+    """`iterN`, `t07`, `lrNAME` (`LRS`) and `seedN` of a `trl_grpo+...` method; unknown ones are an error."""
+    out = {"num_iterations": 1, "temperature": 1.0, "seed": None, "lr": None}
     for m in method.split("+")[1:]:
         if m[:4] == "iter" and m[4:].isdigit():
             out["num_iterations"] = int(m[4:])
@@ -39,8 +42,10 @@ def modifiers(method: str) -> dict:
             out["seed"] = int(m[4:])
         elif m == "t07":
             out["temperature"] = 0.7
+        elif m[:2] == "lr" and m[2:] in LRS:
+            out["lr"] = LRS[m[2:]]
         else:
-            raise ValueError(f"{method}: unknown modifier {m!r} (trl_grpo takes iterN, t07, seedN)")
+            raise ValueError(f"{method}: unknown modifier {m!r} (trl_grpo takes iterN, t07, lr{'/lr'.join(LRS)}, seedN)")
     return out
 
 
@@ -78,7 +83,7 @@ def train_trl_grpo(args, method: str, root: str) -> tuple[float, dict]:
     prompts = drawn_prompts(os.path.join(REPO, data["env"]["init_args"]["path"]), batches * tasks,
                             data.get("seed", 0))
     spec = {"student": args.student, "root": root, "steps": args.steps, "every": args.every,
-            "lr": optimizer["init_args"]["lr"], "batch": data["batch_size"], "group_size": data["group_size"],
+            "lr": mods["lr"] or optimizer["init_args"]["lr"], "batch": data["batch_size"], "group_size": data["group_size"],
             "max_tokens": data["max_tokens"], "prompts": prompts,
             "seed": example.get("seed_everything", 0) if mods["seed"] is None else mods["seed"],
             "num_iterations": mods["num_iterations"], "temperature": mods["temperature"],
