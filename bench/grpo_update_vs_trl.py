@@ -4,7 +4,7 @@ tokens), from the same weights, tokens, advantages and old logprobs: the largest
 between the two gradients, relative to the gradient's largest entry.
 
 Why: in docs/benchmarks.md lit-rl's GRPO learns level with TRL's at T=1 and a little below it
-at T=0.7 (six seeds), and at lr 3e-4 two updates per batch were below TRL's. This separates
+at T=0.7 (eight seeds), and at lr 3e-4 two updates per batch were below TRL's. This separates
 the update from the sampling: if both compute the same gradient, at the first update of a
 batch (ratio 1) and at the second (after an AdamW step, with the clipped ratio live), at T=1
 and at T=0.7, what is left between them is the samples each drew.
@@ -46,23 +46,31 @@ def samples(vocab: int, n: int = 16, seed: int = 0):
         mask = [t >= prompt for t in range(len(ids))]
         rows.append(Sample(input_ids=ids, loss_mask=mask, logprobs=[0.0] * len(ids), reward=0.0,
                            source="policy").with_advantage(float(adv[i])))
-    return rows, [5 + i % 8 for i in range(n)]
+    return rows
+
+
+def prompt_length(row) -> int:
+    """Tokens before the completion: the first trained one."""
+    return row.loss_mask.index(True)
 
 
 def lit_rl_loss(module, micro_batch, process, old):
-    """lit-rl's GRPO loss for one micro-batch holding the whole step (the module's own path)."""
-    from lit_rl.losses import policy_loss_normaliser, policy_loss_sums
+    """lit-rl's GRPO loss for one micro-batch holding the whole step: the module's logprobs, its
+    settings and normaliser (`GRPO.micro_batch_loss_sum` reads the update's old logprobs from a
+    running trainer, which this bench does not start; the sampler's logprobs are the old ones)."""
+    from lit_rl.losses import policy_loss_sums
 
     logprobs, _ = module.target_logprobs(micro_batch, process=process)
     old = logprobs.detach() if old is None else old
     loss_sum, _ = policy_loss_sums(logprobs, old, old, micro_batch["advantages"], micro_batch["loss_mask"],
-                                   micro_batch["sequence_ids"], loss_type="dapo", clip_low=CLIP_LOW,
-                                   clip_high=CLIP_HIGH, is_correction="token_truncate", is_cap=2.0)
-    return loss_sum / policy_loss_normaliser(micro_batch["loss_mask"], micro_batch["sequence_ids"]), logprobs.detach()
+                                   micro_batch["sequence_ids"], loss_type=module.loss_type, clip_low=module.clip_low,
+                                   clip_high=module.clip_high, is_correction=module.is_correction, is_cap=module.is_cap)
+    return loss_sum / module.loss_normaliser(micro_batch), logprobs.detach()
 
 
-def trl_inputs(rows, prompt_lengths, pad: int, old=None) -> dict:
+def trl_inputs(rows, pad: int, old=None) -> dict:
     """TRL's training inputs: prompts padded on the left, completions on the right."""
+    prompt_lengths = [prompt_length(r) for r in rows]
     P, C = max(prompt_lengths), max(len(r) - p for r, p in zip(rows, prompt_lengths))
     prompt_ids = torch.full((len(rows), P), pad)
     prompt_mask = torch.zeros(len(rows), P, dtype=torch.long)
@@ -96,9 +104,9 @@ def compare(temperature: float) -> list[str]:
     with torch.no_grad():
         model.model.norm.weight.mul_(8.0)  # sharp logits: the second update's ratio moves
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
-    rows, prompt_lengths = samples(model.config.vocab_size)
+    rows = samples(model.config.vocab_size)
 
-    module = GRPO(model=TINY_MODEL, max_grad_norm=None)
+    module = GRPO(model=TINY_MODEL, max_grad_norm=None, loss_type="dapo", clip_low=CLIP_LOW, clip_high=CLIP_HIGH)
     module.model = copy.deepcopy(model)
     micro_batch = build_step(rows, micro_batch_tokens=4096, packing="packed")["micro_batches"]
     assert len(micro_batch) == 1, "the step should fit one micro-batch"
@@ -122,7 +130,7 @@ def compare(temperature: float) -> list[str]:
             lit_loss, lit_logprobs = lit_rl_loss(module, micro_batch, process, lit_old)
             lit_loss.backward()
             trl_model.zero_grad()
-            inputs = trl_inputs(rows, prompt_lengths, tokenizer.pad_token_id, trl_old)
+            inputs = trl_inputs(rows, tokenizer.pad_token_id, trl_old)
             trl_loss = trainer._compute_loss(trl_model, inputs)
             trl_loss.backward()
             worst, largest = 0.0, 0.0
