@@ -47,6 +47,16 @@ class CrashAtStep(L.Callback):
             raise RuntimeError(f"deliberate crash at step {trainer.global_step}")
 
 
+def hold(until, timeout: float, what: str) -> None:
+    """Blocks training (polling every 0.2 s) until `until()` is true; a TimeoutError naming `what`
+    after `timeout` s, so a test that went wrong fails instead of hanging."""
+    deadline = time.monotonic() + timeout
+    while not until():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout} s")
+        time.sleep(0.2)
+
+
 class WaitForEval(L.Callback):
     """Holds training at `wait_at` until the evaluator has handled `step`, so a test that wants
     every due step evaluated is not at the mercy of a loaded machine: an evaluator that falls
@@ -56,13 +66,22 @@ class WaitForEval(L.Callback):
         self.step, self.wait_at, self.env, self.timeout = step, wait_at, env, timeout
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step != self.wait_at:
-            return
-        deadline = time.monotonic() + self.timeout
-        while not DoneLog(trainer.default_root_dir).handled(self.step, self.env):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the evaluator did not handle step {self.step} within {self.timeout} s")
-            time.sleep(0.2)
+        if trainer.global_step == self.wait_at:
+            hold(lambda: DoneLog(trainer.default_root_dir).handled(self.step, self.env), self.timeout,
+                 f"the evaluator did not handle step {self.step}")
+
+
+class HoldAtStep(L.Callback):
+    """Holds training at the end of `step` until the file `until` exists (the test writes it once
+    it has done or seen what it needs): a test about the evaluator then runs on a machine where
+    training does not take a core for steps nobody looks at, and no export races its step."""
+
+    def __init__(self, step: int, until: str, timeout: float = 600):
+        self.step, self.until, self.timeout = step, until, timeout
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            hold(Path(self.until).exists, self.timeout, f"no {self.until}")
 
 
 class KillEvaluatorAt(L.Callback):

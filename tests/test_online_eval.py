@@ -261,10 +261,15 @@ def test_a_dead_evaluator_server_is_restarted_and_a_trainer_crash_takes_both_dow
     socket directory its server leaves is removed by the next start: test_inference.py.)"""
     envs = [{"class_path": "lit_rl.rollouts.ReverseTextEnv",
              "init_args": {"path": str(reverse_data / "test.jsonl"), "num_examples": 5}}]
-    crash = {"class_path": "online_eval_helpers.CrashAtStep", "init_args": {"when": str(tmp_path / "crash_now")}}
-    config = write_config(tmp_path, reverse_data, steps=1000, interval=50, envs=envs,
+    killed, crash_now = tmp_path / "server_killed", str(tmp_path / "crash_now")
+    # Training holds at step 1 until the server is killed (so step 10's export comes after the
+    # kill), then at step 12 until the test has seen the eval made again; then it crashes.
+    holds = [{"class_path": "online_eval_helpers.HoldAtStep", "init_args": {"step": 1, "until": str(killed)}},
+             {"class_path": "online_eval_helpers.HoldAtStep", "init_args": {"step": 12, "until": crash_now}}]
+    crash = {"class_path": "online_eval_helpers.CrashAtStep", "init_args": {"when": crash_now}}
+    config = write_config(tmp_path, reverse_data, steps=1000, interval=10, envs=envs,
                           server={"max_model_len": 512, "dtype": "float32", "enforce_eager": True},
-                          extra_callbacks=[crash])
+                          extra_callbacks=[*holds, crash])
     root = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO / "tests")}
     proc = subprocess.Popen([sys.executable, "-m", "lit_rl.cli", "fit", "--config", str(config)], cwd=REPO, env=env,
@@ -278,6 +283,7 @@ def test_a_dead_evaluator_server_is_restarted_and_a_trainer_crash_takes_both_dow
         assert evaluator_processes(root), "evaluator or server not found while training"
         server = subprocess.run(["pgrep", "-f", f"vllm_main --model {root}"], capture_output=True, text=True).stdout.split()
         os.killpg(os.getpgid(int(server[0])), signal.SIGKILL)  # the evaluator's server crashes
+        killed.touch()
         done = root / "evals" / "done.jsonl"
 
         def made_again() -> bool:  # the first eval after the crash failed, then was recorded ok
@@ -293,7 +299,7 @@ def test_a_dead_evaluator_server_is_restarted_and_a_trainer_crash_takes_both_dow
         assert "restarting it (restart 1 of at most 3)" in log and "evaluating step" in log, log[-3000:]
         ok = [json.loads(line)["step"] for line in done.read_text().splitlines() if json.loads(line)["status"] == "ok"]
         assert len(ok) == len(set(ok)), ok  # no step evaluated twice
-        (tmp_path / "crash_now").touch()  # the trainer fails at its next step
+        Path(crash_now).touch()  # the trainer, held at step 12, fails
         output, _ = proc.communicate(timeout=300)
         assert proc.returncode != 0 and "deliberate crash" in output
         gone_by = time.time() + 30
