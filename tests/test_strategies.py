@@ -9,7 +9,7 @@ import yaml
 from jsonargparse import Namespace
 
 from helpers import REPO, reverse_rows, write_jsonl
-from lit_rl.cli import auto_devices_without_gpu
+from lit_rl.lightning_cli import auto_devices_without_gpu
 from lit_rl.sharding import DecoderLayerPolicy, decoder_layer_classes
 from test_cli import CONFIG
 

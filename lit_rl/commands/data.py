@@ -36,7 +36,7 @@ def marked_text(tokenizer, input_ids: list[int], loss_mask: list[bool], *, color
 def build_datamodule(config: str, overrides: list[str]):
     import warnings
 
-    from lit_rl.cli import LitRLCLI
+    from lit_rl.lightning_cli import LitRLCLI
 
     with warnings.catch_warnings():  # args come from our own parser, not a second sys.argv
         warnings.filterwarnings("ignore", message=".*args parameter is intended.*")

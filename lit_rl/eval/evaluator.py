@@ -14,13 +14,12 @@ never touches the trainer: the filesystem is the hand-off (lit_rl/eval/plan.py).
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import logging
 import os
 import time
 from pathlib import Path
-
-from lightning.pytorch.cli import instantiate_class
 
 from lit_rl.child_process import pid_alive
 from lit_rl.eval.logging import EvalLogger
@@ -31,6 +30,13 @@ from lit_rl.lora import is_adapter_dir
 from lit_rl.run_dir import STABLE, lease, stable_steps
 
 log = logging.getLogger("lit_rl.evaluator")
+
+
+def instantiate(config: dict) -> Environment:
+    """An environment from its `{"class_path", "init_args"}`, as LightningCLI's `instantiate_class`
+    makes it, without importing Lightning into the evaluator's process (seconds at every start)."""
+    module, _, name = config["class_path"].rpartition(".")
+    return getattr(importlib.import_module(module), name)(**config.get("init_args", {}))
 
 
 class Evaluator:
@@ -60,7 +66,7 @@ class Evaluator:
         self.root, self.plan, self.client, self.logger = Path(root), plan, client, logger
         self.standalone, self.parent_pid, self.poll_seconds = standalone, parent_pid, poll_seconds
         self.restarts = restarts
-        self.envs: list[Environment] = [instantiate_class((), cfg) for cfg in plan.envs]
+        self.envs: list[Environment] = [instantiate(cfg) for cfg in plan.envs]
         names = [e.name for e in self.envs]
         if len(set(names)) != len(names):
             raise ValueError(f"evaluator: environment names must be unique, got {names}")

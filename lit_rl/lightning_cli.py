@@ -1,0 +1,148 @@
+"""LitRLCLI: LightningCLI with lit-rl's defaults, behind `lit-rl fit` and `lit-rl validate`.
+
+Apart from `lit_rl/cli.py` so that lit-rl's other commands (`serve`, `evaluate`, `report`, the
+online evaluator's process) and `lit-rl --help` start without importing Lightning (about 4 s of
+CPU a start on a 2-core machine).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from lit_rl import stopping
+from lit_rl.callbacks.checkpoint import RunCheckpoint
+from lit_rl.callbacks.progress import StepProgressBar
+from lit_rl.cli import LIGHTNING_COMMANDS
+from lit_rl.errors import UserError
+from lit_rl.inference.runtime import InferenceRuntime
+from lit_rl.modules.base import CausalLMModule
+
+
+class LitRLCLI(LightningCLI):
+    """LightningCLI with lit-rl's defaults.
+
+    - The optimizer is an injected callable on the module (not Lightning's
+      auto-configured one, which breaks with `configure_model` and FSDP).
+    - Lightning must not swap the sampler: lit-rl datamodules shard their own steps.
+    - The saved config of an earlier run in the same directory is overwritten.
+    - Logs go to a CSVLogger under `default_root_dir/logs` unless a logger is given.
+    - Resumable checkpoints go to `default_root_dir/checkpoints/last.ckpt` (RunCheckpoint)
+      unless the config brings its own ModelCheckpoint or disables checkpointing.
+    - The progress bar counts optimizer steps of the whole run (StepProgressBar) unless the
+      config brings its own or disables it.
+    - Every run has one InferenceRuntime, the owner of its inference servers, configured under
+      the config's `inference:` section (`--inference.teacher_model ...`); runs that serve no
+      model (plain SFT) leave it idle.
+    - A config value that a class rejects (a ValueError from its `__init__`, a Lightning
+      MisconfigurationException) is a UserError: one message, no traceback.
+    """
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("auto_configure_optimizers", False)
+        kwargs.setdefault("subclass_mode_model", True)
+        kwargs.setdefault("subclass_mode_data", True)
+        kwargs.setdefault("parser_kwargs", {"default_env": True, "env_prefix": "LIT_RL", "prog": "lit-rl"})
+        defaults = {"use_distributed_sampler": False}
+        defaults.update(kwargs.pop("trainer_defaults", None) or {})
+        super().__init__(CausalLMModule, LightningDataModule, *args, trainer_defaults=defaults, **kwargs)
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_lightning_class_args(InferenceRuntime, "inference")
+
+    @staticmethod
+    def subcommands():
+        return {k: v for k, v in LightningCLI.subcommands().items() if k in LIGHTNING_COMMANDS}
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        trainer = config.get("trainer")
+        if trainer is not None:
+            auto_devices_without_gpu(trainer)
+        if trainer is not None and trainer.get("logger") in (None, True):
+            root = trainer.get("default_root_dir") or "."
+            trainer["logger"] = {
+                "class_path": "lightning.pytorch.loggers.CSVLogger",
+                "init_args": {"save_dir": root, "name": "logs"},
+            }
+
+    def instantiate_classes(self) -> None:
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+        try:
+            super().instantiate_classes()
+        except (ValueError, MisconfigurationException) as e:
+            # jsonargparse wraps what a class's __init__ raised; a ValueError there is an argument check,
+            # anything else (a TypeError, say) a bug that keeps its traceback
+            cause = e
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            if not isinstance(cause, (ValueError, MisconfigurationException)):
+                raise
+            raise UserError(f"invalid config: {cause}") from e
+
+    def _instantiate_trainer(self, config, callbacks):
+        given = [*(config.get("callbacks") or []), *callbacks]
+        if config.get("enable_checkpointing") is not False and not any(isinstance(c, ModelCheckpoint) for c in given):
+            callbacks = [*callbacks, RunCheckpoint()]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
+            callbacks = [*callbacks, StepProgressBar()]
+        return super()._instantiate_trainer(config, callbacks)
+
+
+CPU_PROCESSES = 2
+MULTI_PROCESS_STRATEGIES = ("ModelParallelStrategy", "FSDPStrategy", "DDPStrategy")
+
+
+def auto_devices_without_gpu(trainer) -> None:
+    """`devices: auto` under a multi-process strategy (configs/strategies/) on a machine without a
+    GPU starts 2 CPU processes, where Lightning's `auto` would start 1: a strategy config then
+    runs its processes on any machine (every GPU of a GPU machine). `trainer.devices N` chooses."""
+    import torch
+
+    strategy = trainer.get("strategy")
+    name = strategy.get("class_path", "") if hasattr(strategy, "get") else str(strategy or "")
+    multi = name.rsplit(".", 1)[-1] in MULTI_PROCESS_STRATEGIES or name.startswith(("ddp", "fsdp"))
+    on_cpu = trainer.get("accelerator") == "cpu" or (trainer.get("accelerator") in (None, "auto") and not torch.cuda.is_available())
+    if multi and on_cpu and str(trainer.get("devices")) == "auto":
+        trainer["devices"] = CPU_PROCESSES
+
+
+def quiet_dependency_chatter() -> None:
+    """Drop output that says nothing about the run: Lightning's advertising tips ("💡 Tip: ...
+    try installing litlogger") and transformers' progress bars, which every weight sync of an RL
+    run would print twice ("Writing model shards", "Loading weights"); lit-rl prints its own line
+    per checkpoint."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):  # both log info
+        logging.getLogger(name).addFilter(lambda record: not str(record.msg).startswith("💡 Tip"))
+
+
+def run_lightning(argv: list[str] | None) -> None:
+    """`lit-rl fit` / `validate`: LightningCLI (which reads sys.argv itself when `argv` is None),
+    with lit-rl's exits for a stop (SIGTERM or Ctrl-C: 128 + the signal, after the checkpoint)
+    and for a second Ctrl-C that aborted the stop's save (130)."""
+    quiet_dependency_chatter()
+    stopping.reset()  # a stop or abort of an earlier run in this process is not this one's
+    try:
+        LitRLCLI(args=argv)
+    except SIGTERMException:
+        # stopped by SIGTERM or Ctrl-C after saving a resumable checkpoint
+        signum = int(stopping.stopped_by or 15)
+        print(stopping.summary(signum), file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum) from None
+    except (KeyboardInterrupt, SystemExit):
+        # a second Ctrl-C (Lightning turns one that lands mid-step into exit 1)
+        if not stopping.aborted:
+            raise
+        print(stopping.aborted_summary(), file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
