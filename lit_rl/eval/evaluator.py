@@ -14,7 +14,6 @@ never touches the trainer: the filesystem is the hand-off (lit_rl/eval/plan.py).
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import logging
 import os
@@ -26,6 +25,7 @@ from lit_rl.eval.logging import EvalLogger
 from lit_rl.inference.client import InferenceServerError
 from lit_rl.eval.plan import DoneLog, EvalPlan, evals_dir, read_final_step
 from lit_rl.rollouts.envs import Environment, EvalRun
+from lit_rl.rollouts.reward_functions import import_callable
 from lit_rl.lora import is_adapter_dir
 from lit_rl.run_dir import STABLE, lease, stable_steps
 
@@ -35,8 +35,7 @@ log = logging.getLogger("lit_rl.evaluator")
 def instantiate(config: dict) -> Environment:
     """An environment from its `{"class_path", "init_args"}`, as LightningCLI's `instantiate_class`
     makes it, without importing Lightning into the evaluator's process (seconds at every start)."""
-    module, _, name = config["class_path"].rpartition(".")
-    return getattr(importlib.import_module(module), name)(**config.get("init_args", {}))
+    return import_callable(config["class_path"], "evaluator env")(**config.get("init_args", {}))
 
 
 class Evaluator:
