@@ -49,9 +49,12 @@ def main(argv=None) -> None:
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
 
-    from lit_rl.inference.server import VLLMServer
+    with tempfile.TemporaryDirectory(prefix="lit_rl_server_start_") as tmp:  # the model and the servers' logs
+        run(args, Path(tmp))
 
-    root = Path(tempfile.mkdtemp(prefix="lit_rl_server_start_"))
+
+def run(args, root: Path) -> None:
+    from lit_rl.inference.server import VLLMServer
     from lit_rl.run_dir import step_dir
 
     model = write_checkpoint(step_dir(root, 0), seed=0)
@@ -59,9 +62,9 @@ def main(argv=None) -> None:
     results = {name: {"start_s": [], "cpu_s": [], "tokens_per_s": []} for name in LAYOUTS}
     outputs = {}
     for round_ in range(args.rounds):
-        for name, extra in LAYOUTS.items():
+        for layout, (name, extra) in enumerate(LAYOUTS.items()):
             server = VLLMServer(model, dtype="float32", max_model_len=512, enforce_eager=True, allowed_root=root,
-                                log_path=root / f"vllm_{round_}_{len(outputs)}.log", extra_args=extra)
+                                log_path=root / f"vllm_{round_}_{layout}.log", extra_args=extra)
             cpu, began = machine_busy_s(), time.monotonic()
             with server:
                 start_s, cpu_s = time.monotonic() - began, machine_busy_s() - cpu

@@ -50,7 +50,9 @@ def worker_in_engine_env(env: Mapping[str, str]) -> dict[str, str]:
     if setting == "nobind":
         return {ONE_PROCESS: "0"}
     cores = bound_cores(setting)
-    if cores is None:  # "auto"
+    if cores is not None:
+        threads = len(cores)
+    else:  # "auto"
         usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        cores = list(range(max(1, usable - 1)))
-    return {ONE_PROCESS: "0", "OMP_NUM_THREADS": str(len(cores))}
+        threads = max(1, usable - 1)
+    return {ONE_PROCESS: "0", "OMP_NUM_THREADS": str(threads)}
