@@ -2,13 +2,16 @@
 """A CPU server's start and decode in lit-rl's one-process engine against vLLM's own layout.
 
 lit-rl starts a one-device server on a CPU build with the worker inside the engine core
-(`lit_rl/inference/cpu_engine.py`); `--distributed-executor-backend mp` gives vLLM's own layout
-(API server, engine core and worker, three interpreters). The two layouts start alternately,
-`--rounds` times each, on the tiny model; each start is timed to its first healthy answer, with
-the machine's CPU-seconds (all processes) over the same span, and then serves the same greedy
-batch: its tokens per second, and whether its tokens and logprobs equal the other layout's.
+(`lit_rl/inference/cpu_engine.py`), the engine core forked from the API server
+(`lit_rl/inference/vllm_main.py`); `VLLM_WORKER_MULTIPROC_METHOD=spawn` keeps that layout with
+the engine core spawned, as vLLM's CPU platform would start it; `--distributed-executor-backend mp`
+gives vLLM's own layout (API server, engine core and worker, three interpreters, spawned). The
+layouts start in turn, `--rounds` times each, on the tiny model; each start is timed to its
+first healthy answer, with the machine's CPU-seconds (all processes) over the same span, and then
+serves the same greedy batch: its tokens per second, and whether its tokens and logprobs equal
+the other layouts'.
 
-    .venv/bin/python bench/server_start.py              # ~4 min on 2 cores
+    .venv/bin/python bench/server_start.py              # ~5 min on 2 cores
     .venv/bin/python bench/server_start.py --rounds 2 --json out.json
 """
 
@@ -28,7 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_busy_s  # noqa: E402
 from inference import write_checkpoint  # noqa: E402
 
-LAYOUTS = {"lit-rl (worker in the engine core)": [], "vLLM's own (mp executor)": ["--distributed-executor-backend", "mp"]}
+LAYOUTS = {  # name: (extra_args, env)
+    "lit-rl (worker in the engine core, forked)": ([], {}),
+    "the same, engine core spawned": ([], {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}),
+    "vLLM's own (mp executor)": (["--distributed-executor-backend", "mp"], {}),
+}
 
 
 async def decode(server, prompts: list[list[int]], max_tokens: int):
@@ -62,9 +69,9 @@ def run(args, root: Path) -> None:
     results = {name: {"start_s": [], "cpu_s": [], "tokens_per_s": []} for name in LAYOUTS}
     outputs = {}
     for round_ in range(args.rounds):
-        for layout, (name, extra) in enumerate(LAYOUTS.items()):
+        for layout, (name, (extra, env)) in enumerate(LAYOUTS.items()):
             server = VLLMServer(model, dtype="float32", max_model_len=512, enforce_eager=True, allowed_root=root,
-                                log_path=root / f"vllm_{round_}_{layout}.log", extra_args=extra)
+                                log_path=root / f"vllm_{round_}_{layout}.log", extra_args=extra, env=env)
             cpu, began = machine_busy_s(), time.monotonic()
             with server:
                 start_s, cpu_s = time.monotonic() - began, machine_busy_s() - cpu
@@ -74,11 +81,11 @@ def run(args, root: Path) -> None:
             print(f"round {round_ + 1}, {name}: start {start_s:.1f} s, {cpu_s:.1f} CPU-s, "
                   f"{tokens_per_s:.0f} tokens/s", flush=True)
     same = len({json.dumps(o) for o in outputs.values()}) == 1
-    print(f"\n{'layout':40s} {'start s (median)':>17s} {'CPU-s (median)':>15s} {'tokens/s (median)':>18s}")
+    print(f"\n{'layout':44s} {'start s (median)':>17s} {'CPU-s (median)':>15s} {'tokens/s (median)':>18s}")
     for name, r in results.items():
-        print(f"{name:40s} {statistics.median(r['start_s']):17.1f} {statistics.median(r['cpu_s']):15.1f} "
+        print(f"{name:44s} {statistics.median(r['start_s']):17.1f} {statistics.median(r['cpu_s']):15.1f} "
               f"{statistics.median(r['tokens_per_s']):18.0f}")
-    print(f"same greedy tokens and logprobs in both layouts: {same}")
+    print(f"same greedy tokens and logprobs in every layout: {same}")
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results, "same_outputs": same, "cpus": os.cpu_count()}, indent=1))
 

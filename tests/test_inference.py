@@ -39,6 +39,7 @@ from lit_rl.inference.client import (
 from lit_rl.commands import serve as serve_command
 from lit_rl.inference.endpoint import open_endpoint
 from lit_rl.inference.server import IPC_PREFIX, RENDEZVOUS_FILE, ServerStartError, VLLMServer
+from lit_rl.inference.vllm_main import FORK_ENV, FORKED, START_METHOD
 from lit_rl.losses import shifted_token_logprobs
 from lit_rl.modules.model_loading import load_causal_lm
 from vllm_fixtures import write_tiny_checkpoint
@@ -228,6 +229,7 @@ def test_a_server_without_the_worker_extension_is_refused_a_tied_head_reload(tmp
         # lit-rl's default layout on a CPU build (cpu_engine.py): the worker in the engine core
         names = [p.name() for p in psutil.process_iter() if _pgid(p.pid) == server.proc.pid]
         assert "VLLM::EngineCore" in names and "VLLM::Worker" not in names, names
+        assert FORKED in server.log_path.read_text()  # and that engine core forked from the API server
         before, after = run(refused_reload())
         (store,) = RENDEZVOUS_FILE.findall(server.log_path.read_text())
         assert Path(store).exists(), store
@@ -302,6 +304,7 @@ def test_an_idle_server_leaves_the_cpu_alone(vllm_server):
 
     group = [p for p in psutil.process_iter() if _pgid(p.pid) == vllm_server.server.proc.pid]
     assert "VLLM::Worker" in [p.name() for p in group], group  # the session server's worker is apart: a queue
+    assert FORKED not in vllm_server.server.log_path.read_text()  # vLLM's own layout is left to vLLM: spawned
 
     async def request():
         async with vllm_server.client() as client:
@@ -393,6 +396,39 @@ def test_stop_kills_the_whole_process_group(tmp_path):
     server.stop()  # idempotent
 
 
+def test_a_forked_engine_core_lets_go_of_the_api_servers_socket():
+    """The engine core lit-rl forks from the API server (vllm_main.py) inherits the API's HTTP
+    socket; kept, it would hold the port open after the API process died alone (clients hang
+    instead of being refused; a restart cannot bind). The child drops exactly that socket (by
+    its port), and the parent's is untouched: it still listens and accepts."""
+    import json
+    import socket
+
+    from lit_rl.inference.vllm_main import api_port, drop_inherited_sockets
+
+    assert api_port(["-m", "x", "--port", "8123"]) == 8123 and api_port(["--port=9"]) == 9 and api_port([]) == 8000
+    with socket.socket() as api, socket.socket() as other:
+        api.bind(("127.0.0.1", 0))
+        other.bind(("127.0.0.1", 0))
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: drop, report, leave without running anything of pytest's
+            dropped = drop_inherited_sockets(api.getsockname()[1])
+            now = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in (api.fileno(), other.fileno())}
+            os.write(write, json.dumps([dropped, now]).encode())
+            os._exit(0)
+        os.waitpid(pid, 0)
+        dropped, now = json.loads(os.read(read, 1000))
+        os.close(read)
+        os.close(write)
+        assert dropped == [api.fileno()], (dropped, api.fileno(), other.fileno())
+        assert now[str(api.fileno())] == os.devnull and now[str(other.fileno())].startswith("socket:"), now
+        api.listen()
+        with socket.create_connection(api.getsockname()):
+            conn, _ = api.accept()
+            conn.close()
+
+
 def test_vllm_keeps_its_sockets_in_a_directory_of_the_servers(vllm_server):
     """A killed vLLM leaves its unix sockets behind; they are made in the server's own directory
     (removed at stop, test above), not loose in the temp directory."""
@@ -473,19 +509,23 @@ def test_a_one_device_cpu_server_gets_the_worker_in_its_engine_and_vllms_thread_
     VLLM_CPU_OMP_THREADS_BIND), the one-process engine gets through the server's environment,
     without the binding (which would hold every thread of the server); a layout the user chose,
     and several devices, are left to vLLM."""
-    from lit_rl.inference.cpu_engine import ONE_PROCESS, bound_cores, worker_in_engine_env
+    from lit_rl.inference.cpu_engine import BIND, ONE_PROCESS, bound_cores, worker_in_engine_env
 
     assert bound_cores("0-2,5") == [0, 1, 2, 5] and bound_cores("4-5|6-7") == [4, 5] and bound_cores("auto") is None
-    assert worker_in_engine_env({"VLLM_CPU_OMP_THREADS_BIND": "0-2,5"}) == {ONE_PROCESS: "0", "OMP_NUM_THREADS": "4"}
-    assert worker_in_engine_env({"VLLM_CPU_OMP_THREADS_BIND": "nobind"}) == {ONE_PROCESS: "0"}
+    forked = {ONE_PROCESS: "0", FORK_ENV: "1"}  # the engine core forked from the API server (vllm_main.py)
+    assert worker_in_engine_env({"VLLM_CPU_OMP_THREADS_BIND": "0-2,5"}) == {**forked, "OMP_NUM_THREADS": "4"}
+    assert worker_in_engine_env({"VLLM_CPU_OMP_THREADS_BIND": "nobind"}) == forked
     usable = len(os.sched_getaffinity(0))
-    assert worker_in_engine_env({"OMP_NUM_THREADS": "8"}) == {ONE_PROCESS: "0", "OMP_NUM_THREADS": str(max(1, usable - 1))}
+    assert worker_in_engine_env({"OMP_NUM_THREADS": "8"}) == {**forked, "OMP_NUM_THREADS": str(max(1, usable - 1))}
+    assert worker_in_engine_env({START_METHOD: "spawn", BIND: "nobind"}) == {ONE_PROCESS: "0"}  # the user's method
 
     def environment(**kwargs) -> dict[str, str]:
         return VLLMServer(TINY_MODEL, log_path=tmp_path / "vllm.log", **kwargs).environment()
 
     assert environment(env={"VLLM_CPU_OMP_THREADS_BIND": "1"})[ONE_PROCESS] == "0"  # a CPU build, here
+    assert environment(env={"VLLM_CPU_OMP_THREADS_BIND": "1"})[FORK_ENV] == "1"
     assert "OMP_PROC_BIND" not in environment(env={"VLLM_CPU_OMP_THREADS_BIND": "1"})  # it would bind all threads
     for chosen in ({"tensor_parallel_size": 2}, {"extra_args": ["--distributed-executor-backend", "mp"]},
                    {"extra_args": ["--distributed-executor-backend=mp"]}, {"env": {ONE_PROCESS: "1"}}):
         assert environment(**chosen).get(ONE_PROCESS) == chosen.get("env", {}).get(ONE_PROCESS), chosen
+        assert FORK_ENV not in environment(**chosen), chosen  # vLLM's own layout: started as vLLM starts it

@@ -7,7 +7,9 @@ and restart. With `VLLM_ENABLE_V1_MULTIPROCESSING=0` the platform keeps "uni" an
 in the engine core: a start of the tiny model took 17.0-19.5 s instead of 24.5-25.0 s, with the
 same completions and logprobs and the same weight reloads (2 cores, 2026-12-06). The API server
 stays a process of its own: vLLM's async engine always runs its engine core in another process;
-the variable only picks the executor inside it.
+the variable only picks the executor inside it. That process is forked from the API server
+rather than spawned (`vllm_main.py`): a start took 11.0-14.5 s instead of 19.5-23.6 s (2 cores,
+2026-12-06; bench/server_start.py). Set `VLLM_WORKER_MULTIPROC_METHOD` to keep vLLM's own choice.
 
 Threads: vLLM gives the worker it spawns `OMP_NUM_THREADS` from `VLLM_CPU_OMP_THREADS_BIND` (a
 list of cores: that many; "nobind": nothing; "auto", the default: the cores this process may use
@@ -27,6 +29,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from lit_rl.inference.vllm_main import FORK_ENV, START_METHOD
+
 ONE_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
@@ -45,14 +49,17 @@ def bound_cores(setting: str) -> list[int] | None:
 
 
 def worker_in_engine_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The variables to add to a one-device CPU server's environment `env`."""
+    """The variables to add to a one-device CPU server's environment `env`: the one-process engine,
+    forked from the API server unless `VLLM_WORKER_MULTIPROC_METHOD` says otherwise (vllm_main.py),
+    and the worker's thread count."""
+    layout = {ONE_PROCESS: "0"} if START_METHOD in env else {ONE_PROCESS: "0", FORK_ENV: "1"}
     setting = env.get(BIND, "auto")
     if setting == "nobind":
-        return {ONE_PROCESS: "0"}
+        return layout
     cores = bound_cores(setting)
     if cores is not None:
         threads = len(cores)
     else:  # "auto"
         usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         threads = max(1, usable - 1)
-    return {ONE_PROCESS: "0", "OMP_NUM_THREADS": str(threads)}
+    return {**layout, "OMP_NUM_THREADS": str(threads)}
