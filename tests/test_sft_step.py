@@ -85,7 +85,8 @@ def test_torch_compile_gives_the_same_update_and_state_dict_names(data_file):
 
     counters.clear()
     _, compiled, _ = one_step(data_file, micro_batch_tokens=256, packing="packed", torch_compile=True)
-    assert counters["stats"]["unique_graphs"] > 0  # the forward really ran compiled
+    # the forward really ran compiled, as one graph: the head probe's no-grad calls run eager
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert list(compiled.model.state_dict()) == list(reference.model.state_dict())
     for a, b in zip(reference.model.parameters(), compiled.model.parameters()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)

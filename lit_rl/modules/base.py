@@ -216,7 +216,9 @@ class CausalLMModule(TrainingStep, L.LightningModule):
         model = model or self.model
         if id(model) not in self._head_is_plain:
             probe = {k: micro_batch[k][:1, :8] for k in ("input_ids", "position_ids")}
-            with torch.no_grad():
+            # Eager even with model.torch_compile: compiled, these two no-grad calls of another
+            # signature were two more graphs of the body to compile before the first step.
+            with torch.no_grad(), torch.compiler.set_stance("force_eager"):
                 head = model.get_output_embeddings()
                 ours = head(self._hidden_states(probe, model)).float()
                 theirs = self.logits(probe, model).float()
