@@ -105,20 +105,17 @@ def fork_engine_core() -> bool:
     if original is None:
         return False
 
-    port = api_port(sys.argv)
-    hooked = []
-
     @functools.wraps(original)
     def check_and_update_config(cls, vllm_config):
         original(cls, vllm_config)  # sets VLLM_WORKER_MULTIPROC_METHOD=spawn, whatever the layout
         if vllm_config.parallel_config.distributed_executor_backend == "uni":  # nothing else to start
             os.environ[START_METHOD] = "fork"
-            if not hooked:
-                os.register_at_fork(after_in_child=lambda: drop_inherited_sockets(port))
-                hooked.append(port)
             print(FORKED, file=sys.stderr, flush=True)
 
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    # Every child this process forks lets go of the API server's socket (a spawned one never had it).
+    port = api_port(sys.argv)
+    os.register_at_fork(after_in_child=lambda: drop_inherited_sockets(port))
     return True
 
 
@@ -134,8 +131,8 @@ def api_port(argv: list[str]) -> int:
 
 def drop_inherited_sockets(port: int) -> list[int]:
     """In a forked child: point each file descriptor holding a TCP socket bound to `port` (the API
-    server's, bound before the engine starts and listening once it has) at /dev/null; the numbers
-    closed this way. Why: a forked engine core otherwise keeps the API server's socket open, so
+    server's, bound before the engine starts and listening once it has) at /dev/null; returns the
+    descriptors so replaced. Why: a forked engine core otherwise keeps the API server's socket open, so
     when the API process dies alone the port still accepts connections that nobody answers (a
     client waits out its timeout instead of being refused at once) and a restart cannot bind it.
     /dev/null rather than close(): the socket object the child inherited may close its number
