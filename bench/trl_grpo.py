@@ -12,10 +12,13 @@ optimizer steps: lit-rl's `updates_per_batch`), `t07` samples at temperature 0.7
 `+t07`), `lr1e4`, `lr3e4`, ... train at that rate instead of grpo.yaml's (`LRS`, as lit-rl's
 `+lr1e4`, ...), `seedN` the seed. `use_vllm=False`: TRL generates with the trained model itself,
 so its samples are exactly on-policy (lit-rl's come from a vLLM server up to one step stale).
+`bench/grpo_same_samples.py` also has the child record every batch it trains on, to train
+lit-rl on the same samples.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -64,8 +67,9 @@ def drawn_prompts(path: str, n: int, seed: int) -> list[dict]:
     return rows[:n]
 
 
-def train_trl_grpo(args, method: str, root: str) -> tuple[float, dict]:
-    """Run the worker in a child process; its wall time and speed."""
+def train_trl_grpo(args, method: str, root: str, record: str | None = None) -> tuple[float, dict]:
+    """Run the worker in a child process; its wall time and speed. With `record`, the child also
+    writes every generation batch it trained on to that JSON file (`recording`)."""
     import shutil
 
     if not args.steps:
@@ -87,7 +91,7 @@ def train_trl_grpo(args, method: str, root: str) -> tuple[float, dict]:
             "max_tokens": data["max_tokens"], "prompts": prompts,
             "seed": example.get("seed_everything", 0) if mods["seed"] is None else mods["seed"],
             "num_iterations": mods["num_iterations"], "temperature": mods["temperature"],
-            "out": os.path.join(root, "trl_result.json")}
+            "out": os.path.join(root, "trl_result.json"), "record": record}
     wall, result = run_child([os.path.abspath(__file__)], spec, root, method)
     with open(root + ".log") as f:  # TRL prints every step's logs: the clip fraction of each
         clip = [float(v) for v in re.findall(r"'clip_ratio/region_mean': '?([0-9.e-]+)'?", f.read())]
@@ -106,10 +110,12 @@ def worker(spec_path: str) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(spec["student"])
     ticks: list[float] = []
+    rewards: list[list[float]] = []  # each call's: one call per generation batch
 
     def reverse_text_reward(prompts, completions, text, **kwargs):
         """ReverseTextEnv.reward: LCS ratio of the stripped completion against the reversed text."""
-        return [lcs_ratio(c[0]["content"].strip(), t[::-1]) for c, t in zip(completions, text)]
+        rewards.append([lcs_ratio(c[0]["content"].strip(), t[::-1]) for c, t in zip(completions, text)])
+        return rewards[-1]
 
     config = GRPOConfig(
         output_dir=os.path.join(spec["root"], "trl_out"), use_cpu=True, use_vllm=False, bf16=False, fp16=False,
@@ -128,8 +134,31 @@ def worker(spec_path: str) -> None:
     trainer = GRPOTrainer(model=model, reward_funcs=reverse_text_reward, args=config,
                           train_dataset=datasets.Dataset.from_list(spec["prompts"]), processing_class=tokenizer,
                           callbacks=[export_and_clock(spec, tokenizer, ticks)])
+    batches = recording(trainer, rewards) if spec.get("record") else None
     trainer.train()
     write_speed(spec, ticks)
+    if batches is not None:
+        with open(spec["record"], "w") as f:
+            json.dump(batches, f)
+
+
+def recording(trainer, rewards: list[list[float]]) -> list[dict]:
+    """Keep every generation batch the trainer trains on, as generated (groups of
+    `num_generations` consecutive, before TRL shuffles them into micro-batches): the prompt and
+    completion token ids with their masks, TRL's advantages and the rewards they came from."""
+    batches: list[dict] = []
+    generate = trainer._generate_and_score_completions
+
+    def recorded(inputs):
+        out = generate(inputs)
+        if trainer.model.training:
+            batches.append({**{k: out[k].tolist() for k in ("prompt_ids", "prompt_mask", "completion_ids",
+                                                              "completion_mask", "advantages")},
+                            "rewards": rewards[-1]})
+        return out
+
+    trainer._generate_and_score_completions = recorded
+    return batches
 
 if __name__ == "__main__":
     worker(sys.argv[1])
