@@ -57,10 +57,9 @@ from exact_match import score  # noqa: E402
 
 GRPO_CONFIG = os.path.join(REPO, "examples", "reverse_text", "grpo.yaml")
 HELD_OUT = os.path.join(REPO, "examples", "reverse_text", "data", "test.jsonl")
-LR = 1e-4
-SETTINGS = {"t1": {"temperature": 1.0, "updates": 1, "trl": "trl_grpo+lr1e4"},
-            "upb2": {"temperature": 1.0, "updates": 2, "trl": "trl_grpo+iter2+lr1e4"},
-            "t07": {"temperature": 0.7, "updates": 1, "trl": "trl_grpo+t07+lr1e4"}}
+#: each setting is a TRL method of bench/trl_grpo.py; lit-rl trains with its temperature, its
+#: updates per batch (`num_iterations`) and its lr (`trl_grpo.modifiers`)
+SETTINGS = {"t1": "trl_grpo+lr1e4", "upb2": "trl_grpo+iter2+lr1e4", "t07": "trl_grpo+t07+lr1e4"}
 
 
 def recorded_samples(batch: dict) -> list:
@@ -103,18 +102,17 @@ def lit_rl_steps(batches: list[dict], group_size: int, layout: dict, trl_advanta
     return steps, ratio
 
 
-def train_lit_rl(student: str, steps: list[dict], updates: int, process, root: str, export_at: list[int]) -> None:
+def train_lit_rl(student: str, steps: list[dict], updates: int, process, lr: float, loss_type: str, root: str,
+                 every: int) -> None:
     """lit-rl's GRPO (grpo.yaml's settings) through a Lightning Trainer over `steps`, each fed
-    `updates` times, exporting the model at `export_at` into `<root>/weights/step_N`."""
+    `updates` times, exported by lit-rl's HFExport every `every` steps and at the last, into
+    `<root>/weights/step_N`."""
     import lightning as L
     import torch
-    from transformers import AutoTokenizer
 
+    from lit_rl.callbacks import HFExport
     from lit_rl.data.held_batch import OldLogprobs
     from lit_rl.modules.grpo import GRPO
-
-    with open(GRPO_CONFIG) as f:
-        model_args = yaml.safe_load(f)["model"]["init_args"]
 
     class Recorded(L.LightningDataModule):
         """The recorded steps, each `updates` times (its micro-batches holding one old-logprobs
@@ -132,7 +130,7 @@ def train_lit_rl(student: str, steps: list[dict], updates: int, process, root: s
 
     class ExactSampler(L.Callback):
         """At a batch's first update, its sampler logprobs are the current weights' (what TRL's
-        `generate` sampled from); at each export step, the model in HF format."""
+        `generate` sampled from)."""
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             if trainer.global_step % updates:
@@ -141,17 +139,11 @@ def train_lit_rl(student: str, steps: list[dict], updates: int, process, root: s
                 for mb in batch["micro_batches"]:
                     mb["logprobs"].copy_(module.target_logprobs(mb, process=process)[0])
 
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            if trainer.global_step in export_at:
-                out = os.path.join(root, "weights", f"step_{trainer.global_step}")
-                module.model.save_pretrained(out)
-                AutoTokenizer.from_pretrained(student).save_pretrained(out)
-
-    module = GRPO(model=student, loss_type=model_args["loss_type"], updates_per_batch=updates,
-                  optimizer=lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0))
+    module = GRPO(model=student, loss_type=loss_type, updates_per_batch=updates,
+                  optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.0))
     trainer = L.Trainer(max_steps=len(steps) * updates, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        callbacks=[ExactSampler()], default_root_dir=root)
+                        callbacks=[ExactSampler(), HFExport(every_n_steps=every)], default_root_dir=root)
     trainer.fit(module, datamodule=Recorded())
 
 
@@ -184,21 +176,23 @@ def held_out(model_dir: str, samples: int) -> dict:
 def run_setting(args, name: str) -> list[dict]:
     from lit_rl.sampling_process import SamplingProcess
 
-    setting = SETTINGS[name]
+    method = SETTINGS[name]
+    mods = trl_grpo.modifiers(method)
     out = os.path.join(os.path.abspath(args.out), name)
     trl_root = os.path.join(out, "trl")
     record = os.path.join(out, "trl_batches.json")
     os.makedirs(out, exist_ok=True)
     print(f"[{name}] TRL, {args.steps} steps ...", flush=True)
     trl_args = SimpleNamespace(student=args.student, steps=args.steps, every=args.every)
-    trl_grpo.train_trl_grpo(trl_args, setting["trl"], trl_root, record=record)
+    trl_grpo.train_trl_grpo(trl_args, method, trl_root, record=record)
     with open(record) as f:
         batches = json.load(f)
     with open(GRPO_CONFIG) as f:
-        data = yaml.safe_load(f)["data"]["init_args"]
+        example = yaml.safe_load(f)
+    data, loss_type = example["data"]["init_args"], example["model"]["init_args"]["loss_type"]
     export_at = sorted({*range(args.every, args.steps + 1, args.every), args.steps})
     whole = {"micro_batch_tokens": data["micro_batch_tokens"], "packing": "padded"}
-    t = setting["temperature"]
+    t = mods["temperature"]
     runs = {"lit-rl": (whole, t, False), "lit-rl split": ({"micro_batch_tokens": 1024, "packing": "packed"}, t, False),
             "lit-rl, TRL's advantages": (whole, t, True)}
     if t != 1.0:
@@ -209,7 +203,8 @@ def run_setting(args, name: str) -> list[dict]:
         print(f"[{name}] {label}: {len(steps)} batches of TRL's, {len(steps[0]['micro_batches'])} micro-batch(es) in the "
               f"first; lit-rl's advantage / TRL's at most {ratio:.4f}", flush=True)
         root = os.path.join(out, "".join(c if c.isalnum() else "_" for c in label))
-        train_lit_rl(args.student, steps, setting["updates"], SamplingProcess(temperature=temperature), root, export_at)
+        train_lit_rl(args.student, steps, mods["num_iterations"], SamplingProcess(temperature=temperature), mods["lr"],
+                     loss_type, root, args.every)
         for step in export_at:
             trl_dir = os.path.join(trl_root, "weights", f"step_{step}")
             mine = os.path.join(root, "weights", f"step_{step}")
