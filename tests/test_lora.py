@@ -168,25 +168,44 @@ def test_lora_with_a_server_that_cannot_load_adapters_fails_before_training(vllm
     assert not list(root.glob("rollouts/trained.jsonl"))  # nothing trained
 
 
-def test_a_resumed_lora_run_continues_exactly(tmp_path):
-    """Two steps, a checkpoint, two more from it: the adapter and the AdamW state come back exactly."""
+def resume_lora_sft(tmp_path, ckpt, seed=0, lora=LoRAOptions(rank=8, alpha=16), steps=4):
+    """A fresh module (its base a random init from `seed`) fitted from `ckpt` to `steps`."""
+    L.seed_everything(seed)
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(32))
+    resumed = SFT(model=TINY_MODEL, random_init=True, lora=lora, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    dm = StaticDataModule(data, batch_size=4, num_workers=0, max_length=64, micro_batch_tokens=256)
+    L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, use_distributed_sampler=False,
+              default_root_dir=str(tmp_path / "split" / "run")).fit(resumed, datamodule=dm, ckpt_path=ckpt)
+    return resumed
+
+
+def test_a_resumed_lora_run_continues_exactly_from_a_checkpoint_without_the_base(tmp_path):
+    """Two steps, a checkpoint, two more from it: the adapter and the AdamW state come back exactly.
+    The checkpoint holds the adapter and a fingerprint of the frozen base, not the base: the resumed
+    run loads the base again (here the same random init), and a run on another base, or without
+    the adapter, is refused with one message before anything trains."""
     straight, _, _ = lora_sft(tmp_path / "straight", 4)
     first, trainer, _ = lora_sft(tmp_path / "split", 2)
     ckpt = tmp_path / "split.ckpt"
     trainer.save_checkpoint(ckpt)
-    L.seed_everything(0)
-    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(32))
-    resumed = SFT(model=TINY_MODEL, random_init=True, lora=LoRAOptions(rank=8, alpha=16),
-                  optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
-    dm = StaticDataModule(data, batch_size=4, num_workers=0, max_length=64, micro_batch_tokens=256)
-    L.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-              enable_model_summary=False, use_distributed_sampler=False,
-              default_root_dir=str(tmp_path / "split" / "run")).fit(resumed, datamodule=dm, ckpt_path=ckpt)
-    a = {n: p for n, p in straight.model.named_parameters() if p.requires_grad}
-    b = {n: p for n, p in resumed.model.named_parameters() if p.requires_grad}
+    saved = torch.load(ckpt, weights_only=False, map_location="cpu")  # written by this test
+    adapter = {n for n, p in first.named_parameters() if p.requires_grad}
+    assert set(saved["state_dict"]) == adapter  # no frozen tensor, the tied head's second name included
+    assert set(saved["lit_rl"]["frozen_base"]) == {n for n, p in first.named_parameters() if not p.requires_grad}
+    whole = sum(t.numel() for t in first.state_dict().values())
+    assert sum(t.numel() for t in saved["state_dict"].values()) < whole / 10
+
+    resumed = resume_lora_sft(tmp_path, ckpt)
+    a, b = straight.state_dict(), resumed.state_dict()
     assert a.keys() == b.keys()
-    for name in a:
+    for name in a:  # the adapter as trained straight through, and the base as built
         torch.testing.assert_close(b[name], a[name], atol=0, rtol=0, msg=name)
+
+    with pytest.raises(ConfigError, match=r"trained on another base than this run's model .*differs \(L2 norm"):
+        resume_lora_sft(tmp_path, ckpt, seed=1)
+    with pytest.raises(ConfigError, match="holds a LoRA adapter without its base .*model.init_args.lora"):
+        resume_lora_sft(tmp_path, ckpt, lora=None)
 
 
 @pytest.mark.slow

@@ -32,7 +32,14 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from lit_rl.errors import ConfigError
 from lit_rl.chunked_head import DEFAULT_CHUNK_SIZE, selected_cross_entropy_sum, selected_token_logprobs
-from lit_rl.lora import LoRAOptions, add_adapter, has_adapter
+from lit_rl.lora import (
+    LoRAOptions,
+    add_adapter,
+    base_difference,
+    base_fingerprint,
+    frozen_parameter_names,
+    has_adapter,
+)
 from lit_rl.losses import masked_cross_entropy_sum, shifted_token_logprobs, token_entropy
 from lit_rl.modules.model_loading import load_causal_lm
 from lit_rl.modules.step import TrainingStep, trained_tokens
@@ -116,6 +123,7 @@ class CausalLMModule(TrainingStep, L.LightningModule):
         self._last_step_end: float | None = None
         self._val_sums: list[torch.Tensor] = []
         self._compiled = False
+        self._base_fingerprint: dict | None = None
 
     # ---- model -------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -181,6 +189,25 @@ class CausalLMModule(TrainingStep, L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["lit_rl"] = {"model": self.model_name, "architecture": self._architecture()}
+        if self._adapter_only_checkpoints():  # the frozen base is loaded again at resume (lit_rl/lora.py)
+            for name in frozen_parameter_names(self):
+                checkpoint["state_dict"].pop(name, None)
+            checkpoint["lit_rl"]["frozen_base"] = self._frozen_base_fingerprint()
+
+    def _adapter_only_checkpoints(self) -> bool:
+        """A LoRA run's checkpoints leave the frozen base out, where the whole state dict is in one
+        file that Lightning loads after `on_load_checkpoint` (one process, DDP). Sharded strategies
+        (FSDP2, FSDP1) load the model inside the strategy, before that hook: there it stays whole."""
+        from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        return has_adapter(self.model) and not isinstance(strategy, (FSDPStrategy, ModelParallelStrategy))
+
+    def _frozen_base_fingerprint(self) -> dict:
+        """`lit_rl.lora.base_fingerprint` of this module, computed once (the base never changes)."""
+        if self._base_fingerprint is None:
+            self._base_fingerprint = base_fingerprint(self)
+        return self._base_fingerprint
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Refuse, before anything is loaded or trained, a checkpoint of another architecture."""
@@ -194,6 +221,25 @@ class CausalLMModule(TrainingStep, L.LightningModule):
             raise ConfigError(
                 f"checkpoint is of another model ({saved['model']}) than this run's ({self.model_name}): {lines}"
             )
+        if "frozen_base" in saved:
+            self._restore_frozen_base(checkpoint, saved)
+
+    def _restore_frozen_base(self, checkpoint: dict, saved: dict) -> None:
+        """A LoRA checkpoint holds the adapter only: its base must be this run's, which fills in the
+        frozen weights it left out, so that Lightning's strict load still checks every other key."""
+        if not has_adapter(self.model):
+            raise ConfigError("this checkpoint holds a LoRA adapter without its base (it was written with "
+                              "model.lora set); resume it with the same model.init_args.lora")
+        difference = base_difference(saved["frozen_base"], self._frozen_base_fingerprint())
+        if difference:
+            raise ConfigError(
+                f"this LoRA checkpoint's adapter was trained on another base than this run's model "
+                f"({self.model_name}): {difference}. Resume with the model.init_args.model and "
+                f"model.init_args.dtype of the run that wrote it ({saved['model']})"
+            )
+        ours = self.state_dict()
+        for name in frozen_parameter_names(self):
+            checkpoint["state_dict"].setdefault(name, ours[name])
 
     # ---- the model's outputs at trained positions only ---------------------------------------
     # `model`: the trained model by default; a frozen one beside it (OPD's teacher in process) otherwise.
