@@ -124,4 +124,13 @@ def test_every_source_problem_is_reported_at_once_before_any_server(data, tmp_pa
         assert words in stderr, (words, stderr[-3000:])
     code, _, stderr = lit_rl_main(grpo_on_a_server + ["--inference.logprobs_mode", "processed"])
     assert code == 1 and "inference.logprobs_mode must be raw_logprobs or processed_logprobs" in stderr, stderr[-3000:]
+    # GRPO with one completion per task (every advantage 0), sampled greedily in groups of 8
+    grpo = grpo_on_a_server[: grpo_on_a_server.index("--inference.base_url")] + [
+        "--trainer.default_root_dir", str(tmp_path / "d"), "--trainer.max_steps", "2"]
+    code, _, stderr = lit_rl_main(grpo + ["--data.init_args.group_size", "1", "--data.init_args.batch_size", "4"])
+    assert code == 1 and "data.group_size 1: a completion's advantage is its reward minus the mean" in stderr, \
+        stderr[-3000:]
+    code, _, stderr = lit_rl_main(grpo + ["--data.init_args.temperature", "0"])
+    assert code == 1 and "data.temperature 0 is greedy: the 8 completions of a task (data.group_size)" in stderr, \
+        stderr[-3000:]
     assert not list(tmp_path.glob("*/vllm*.log"))  # refused before any server started

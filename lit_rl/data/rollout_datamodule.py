@@ -180,6 +180,10 @@ class RolloutDataModule(L.LightningDataModule):
             TrainSampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
         except ValueError as e:
             problems.append(f"data sampling: {e}")
+        if self.temperature == 0 and self.group_size > 1:
+            problems.append(f"data.temperature 0 is greedy: the {self.group_size} completions of a task "
+                            f"(data.group_size) would all be the same, and vLLM refuses n > 1 for greedy "
+                            "sampling; set data.temperature > 0, or data.group_size 1")
         return problems
 
     def setup(self, stage: str | None = None) -> None:
@@ -216,6 +220,10 @@ class RolloutDataModule(L.LightningDataModule):
         if self.source == "policy" and kind == "cross_entropy":
             problems.append("SFT may not train on the policy's own samples (data.source 'policy'): sample from a "
                             "teacher (data.source 'teacher') or train on a dataset (StaticDataModule)")
+        if self.source == "policy" and kind == "policy_gradient" and self.group_size == 1:
+            problems.append("data.group_size 1: a completion's advantage is its reward minus the mean of its task's "
+                            "group, so with one completion per task every advantage is 0 and the policy-gradient "
+                            "loss learns nothing; set data.group_size >= 2")
         limit = getattr(self.trainer.lightning_module, "max_completion_length", None)
         if getattr(self.trainer.lightning_module, "loss_type", None) == "dr_grpo" and limit and limit < self.max_tokens:
             problems.append(f"model.init_args.max_completion_length ({limit}) is below data.max_tokens ({self.max_tokens}): "
