@@ -64,6 +64,7 @@ class LitRLCLI(LightningCLI):
         trainer = config.get("trainer")
         if trainer is not None:
             auto_devices_without_gpu(trainer)
+            refuse_automatic_optimization_flags(trainer)
         if trainer is not None and trainer.get("logger") in (None, True):
             root = trainer.get("default_root_dir") or "."
             trainer["logger"] = {
@@ -111,6 +112,26 @@ def auto_devices_without_gpu(trainer) -> None:
     on_cpu = trainer.get("accelerator") == "cpu" or (trainer.get("accelerator") in (None, "auto") and not torch.cuda.is_available())
     if multi and on_cpu and str(trainer.get("devices")) == "auto":
         trainer["devices"] = CPU_PROCESSES
+
+
+def refuse_automatic_optimization_flags(trainer) -> None:
+    """Lightning's gradient accumulation and clipping flags belong to its automatic optimization,
+    which lit-rl's modules do not use (their step splits each batch into micro-batches and clips
+    itself): Lightning's own refusal is a traceback that says to switch to automatic
+    optimization, which a user cannot do. Say instead which of lit-rl's options does the job."""
+    problems = []
+    if trainer.get("accumulate_grad_batches") not in (None, 1):
+        problems.append(f"trainer.accumulate_grad_batches ({trainer['accumulate_grad_batches']}): every lit-rl "
+                        "optimizer step already accumulates the gradients of its whole batch (data.batch_size "
+                        "rows or samples) over micro-batches of at most data.micro_batch_tokens tokens; for larger "
+                        "steps raise data.batch_size")
+    if trainer.get("gradient_clip_val") not in (None, 0, 0.0) or trainer.get("gradient_clip_algorithm") is not None:
+        problems.append(f"trainer.gradient_clip_val ({trainer.get('gradient_clip_val')}), "
+                        f"trainer.gradient_clip_algorithm ({trainer.get('gradient_clip_algorithm')}): lit-rl clips "
+                        "the global gradient norm itself at model.init_args.max_grad_norm (1.0 by default; null "
+                        "disables it); leave both trainer flags unset")
+    if problems:
+        raise UserError("invalid config: " + "; ".join(problems))
 
 
 def quiet_dependency_chatter() -> None:

@@ -165,3 +165,16 @@ def test_a_dataset_env_with_a_missing_column_and_a_bad_reward_is_one_message(tmp
                       "lit-rl:tiny_qwen3", "--trainer.default_root_dir", str(tmp_path / "run"),
                       "--data.init_args.env", json.dumps(env)], capsys)
     assert "has no column 'prompt' (for prompt_column); its columns: ['question', 'answer']" in err, err
+
+
+def test_lightnings_accumulation_and_clipping_flags_name_lit_rls_own(tmp_path, capsys):
+    """Lightning's own refusal (manual optimization) was a traceback that said to switch to
+    automatic optimization; lit-rl names the options that do the job, before anything is written."""
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
+    err = user_error(fit_args(tmp_path, data) + ["--trainer.accumulate_grad_batches", "4"], capsys)
+    assert "trainer.accumulate_grad_batches (4)" in err and "raise data.batch_size" in err, err
+    err = user_error(fit_args(tmp_path, data) + ["--trainer.gradient_clip_val", "0.5",
+                                                  "--trainer.gradient_clip_algorithm", "value"], capsys)
+    assert "trainer.gradient_clip_val (0.5), trainer.gradient_clip_algorithm (value)" in err, err
+    assert "model.init_args.max_grad_norm" in err and "automatic optimization" not in err, err
+    assert not (tmp_path / "run").exists()
