@@ -19,16 +19,16 @@ def sgd(params):
     return torch.optim.SGD(params, lr=1.0)
 
 
-def one_step(data_file, *, micro_batch_tokens, packing, batch_size=8, **module_kw):
+def one_step(data_file, *, micro_batch_tokens, packing, batch_size=8, trainer_kw=None, **module_kw):
     L.seed_everything(0)
-    module = SFT(model=TINY_MODEL, random_init=True, optimizer=sgd, max_grad_norm=None, **module_kw)
+    module = SFT(model=TINY_MODEL, random_init=True, optimizer=sgd, **{"max_grad_norm": None, **module_kw})
     dm = StaticDataModule(
         data_file, batch_size=batch_size, shuffle=False, micro_batch_tokens=micro_batch_tokens,
         packing=packing, max_length=64, num_workers=0,
     )
     trainer = L.Trainer(
         max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+        enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0, **(trainer_kw or {}),
     )
     module.configure_model()
     initial = copy.deepcopy(module.model)
@@ -105,3 +105,33 @@ def test_gradient_checkpointing_gives_the_same_update(data_file):
     assert checkpointed.model.is_gradient_checkpointing
     for a, b in zip(reference.model.parameters(), checkpointed.model.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def fp16_mixed(init_scale: float = 2.0**16):
+    """Lightning's `16-mixed` plugin as a GPU gets it: a GradScaler scales the loss (on a CPU,
+    Lightning swaps `16-mixed` for bf16 without a scaler, so the GPU's plugin is built by hand)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=init_scale))]}
+
+
+def test_fp16_mixed_precision_clips_the_unscaled_gradient_and_skips_an_overflow(data_file):
+    """The gradient is clipped after the GradScaler unscaled it: the same norm and the same clipped
+    SGD update (0.5) as in float32. Clipped before, the scaled norm (x65536) was clipped and the
+    update came out 65536 times too small. A loss scale that overflows skips the step (weights
+    unchanged, the scale halved) instead of stopping the run."""
+    _, _, plain = one_step(data_file, micro_batch_tokens=4096, packing="padded", max_grad_norm=0.5)
+    initial, module, scaled = one_step(data_file, micro_batch_tokens=4096, packing="padded", max_grad_norm=0.5,
+                                       trainer_kw=fp16_mixed())
+    assert scaled["train/grad_norm"].item() == pytest.approx(plain["train/grad_norm"].item(), rel=1e-2)
+    assert plain["train/grad_norm"].item() > 1  # the clip acted
+    moved = torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(module.model.parameters(), initial.parameters())))
+    assert moved.item() == pytest.approx(0.5, rel=1e-3)
+    assert scaled["train/loss_scale"].item() == 2.0**16
+
+    initial, module, overflow = one_step(data_file, micro_batch_tokens=4096, packing="padded", max_grad_norm=0.5,
+                                         trainer_kw=fp16_mixed(init_scale=2.0**127))
+    assert not torch.isfinite(overflow["train/grad_norm"])
+    assert overflow["train/loss_scale"].item() == 2.0**126
+    for a, b in zip(module.model.parameters(), initial.parameters()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)

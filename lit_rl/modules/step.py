@@ -5,7 +5,7 @@ micro-batches, so the step can count what its loss is divided by before any back
 
     counts = _step_counts(micro_batches)      # one collective: normalisers, tokens and step statistics
     sums = _backward(micro_batches, counts)   # each part's loss over its own count, backward
-    grad_norm, lr = _optimizer_step()         # clip, step, free the gradients, schedule
+    grad_norm, lr = _optimizer_step()         # step (clipped inside), free the gradients, schedule
     _log_step(...)                            # one collective for every logged sum
 
 The loss and gradient then do not depend on the micro-batch split, the gradient-accumulation
@@ -166,16 +166,13 @@ class TrainingStep:
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def _optimizer_step(self) -> tuple[torch.Tensor, float]:
-        """Clip, step, free the gradients, advance the schedule; the gradient norm and the lr used."""
+        """Step, free the gradients, advance the schedule; the gradient norm and the lr used. The
+        clipping is in `on_before_optimizer_step`, which Lightning calls inside the step."""
         optimizer = self.optimizers()
-        grad_norm = self._clip_and_measure_grad_norm()
-        if not torch.isfinite(grad_norm):  # the norm over every rank: each raises here together
-            optimizer.zero_grad(set_to_none=True)
-            raise stopping.RunFailed(
-                f"training step {self.trainer.global_step}: the gradient norm is {float(grad_norm)} (a non-finite loss or "
-                "gradient); the step was not applied, the weights are those of the step before")
         lr = optimizer.param_groups[0]["lr"]
+        self._grad_norm = None
         optimizer.step()
+        grad_norm = self._grad_norm
         # Gradients are freed at once, not at the next step: validation, exports and checkpoints
         # between steps then run without a second copy of the weights' size in memory.
         optimizer.zero_grad(set_to_none=True)
@@ -183,6 +180,25 @@ class TrainingStep:
         if scheduler is not None:
             scheduler.step()
         return grad_norm, lr
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Clip and measure the gradient norm where Lightning's precision plugin has unscaled the
+        gradients: fp16 mixed precision (`16-mixed` on a GPU) scales the loss by its GradScaler's
+        scale (65536 at first) and unscales inside the optimizer step, just before this hook.
+        Clipped before `optimizer.step()`, the scaled norm was clipped, which shrank every fp16
+        update by the scale (tests/test_sft_step.py). A non-finite norm there is fp16 overflow:
+        the scaler skips the step and lowers its scale. Anywhere else it stops the run."""
+        grad_norm = self._clip_and_measure_grad_norm()
+        self._grad_norm = grad_norm
+        if not torch.isfinite(grad_norm) and self._loss_scaler() is None:  # every rank raises here together
+            optimizer.zero_grad(set_to_none=True)
+            raise stopping.RunFailed(
+                f"training step {self.trainer.global_step}: the gradient norm is {float(grad_norm)} (a non-finite loss or "
+                "gradient); the step was not applied, the weights are those of the step before")
+
+    def _loss_scaler(self):
+        """fp16 mixed precision's GradScaler (None in any other precision)."""
+        return getattr(self.trainer.precision_plugin, "scaler", None)
 
     def _log_step(self, batch: dict, counts: dict[str, torch.Tensor], sums: dict, grad_norm, lr: float,
                   start: float, compute_start: float) -> torch.Tensor:
@@ -208,6 +224,8 @@ class TrainingStep:
         if batch.get("parts"):  # a mixed step: each source's own mean loss and trained tokens
             metrics.update({f"train/{p}/loss": part_loss[p] for p in parts})
             metrics.update({f"train/{p}/tokens": counts[f"tokens/{p}"] for p in parts})
+        if self._loss_scaler() is not None:  # the scale after this step: halved at every fp16 overflow
+            metrics["train/loss_scale"] = float(self._loss_scaler().get_scale())
         metrics.update({f"train/{k}": v for k, v in batch.get("stats", {}).items()})
         metrics.update(batch.get("metrics", {}))  # full names, e.g. rollout/... from a rollout data module
         self.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, batch_size=1)
