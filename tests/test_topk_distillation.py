@@ -181,3 +181,30 @@ def test_one_step_on_a_servers_top_k_equals_the_reference(models, divergence, be
 def test_top_k_is_checked_at_construction():
     with pytest.raises(ValueError, match="teacher_top_k must be an int >= 1, got 0"):
         OPD(model=TINY_MODEL, divergence="reverse_kl", teacher_top_k=0)
+
+
+def test_a_teacher_server_that_cannot_return_the_top_k_is_refused_before_the_policys_server(vllm_server, tmp_path,
+                                                                                          lit_rl_main):
+    """An existing teacher server (the session's, vLLM's default --max-logprobs 20) asked for 32 tokens
+    per position: one message before training and before the policy's server starts, where every
+    rollout's scoring used to fail once training had begun. A teacher lit-rl starts gets
+    --max-logprobs raised to the top k instead (unless its options set it)."""
+    from helpers import reverse_rows, write_jsonl
+    from test_graceful_stop import EXAMPLES
+
+    from lit_rl.inference.runtime import with_max_logprobs
+
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
+    root = tmp_path / "run"
+    code, _, err = lit_rl_main(["fit", "--config", str(EXAMPLES / "opd.yaml"), "--model.init_args.model",
+                                str(vllm_server.model_dir), "--data.init_args.env.init_args.path", data,
+                                "--model.init_args.teacher_top_k", "32", "--inference.teacher_model", "null",
+                                "--inference.teacher_server", "{}", "--inference.teacher_base_url", vllm_server.base_url,
+                                "--trainer.default_root_dir", str(root), "--trainer.max_steps", "1"])
+    assert code == 1, err[-3000:]
+    assert "cannot return model.init_args.teacher_top_k=32 tokens per position" in err, err[-3000:]
+    assert "max allowed: 20" in err and "start it with --max-logprobs 32 or more" in err, err[-3000:]
+    assert not (root / "vllm.log").exists()  # the policy's server never started
+    assert with_max_logprobs({"extra_args": ["--seed", "1"]}, 32)["extra_args"] == ["--seed", "1", "--max-logprobs", "32"]
+    assert with_max_logprobs({"extra_args": ["--max-logprobs=64"]}, 32)["extra_args"] == ["--max-logprobs=64"]
+    assert "extra_args" not in with_max_logprobs({}, 20)

@@ -205,8 +205,10 @@ class RolloutDataModule(L.LightningDataModule):
         if problems:
             raise ValueError("RolloutDataModule: " + str(len(problems)) + " problem(s):\n  - " + "\n  - ".join(problems))
         if self.trainer is not None:
+            module = self.trainer.lightning_module
             self.runtime.use(policy=self.source == "policy", teacher=True, tokenizer=self.resolve_tokenizer(),
-                             trust_remote_code=bool(getattr(self.trainer.lightning_module, "trust_remote_code", False)))
+                             trust_remote_code=bool(getattr(module, "trust_remote_code", False)),
+                             teacher_top_k=self._teacher_top_k())
 
     def _trainer_problems(self) -> list[str]:
         """What this source cannot do with the run's module and servers (the runtime's option
@@ -266,6 +268,13 @@ class RolloutDataModule(L.LightningDataModule):
             return RAW
         return SamplingProcess(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
+    def _teacher_top_k(self) -> int:
+        """The teacher's top-k tokens per position, when the policy's samples are scored by a teacher
+        server and the module trains a dense divergence on them; 0 otherwise."""
+        if not self.has_teacher:
+            return 0
+        return int(getattr(self.trainer.lightning_module, "served_teacher_top_k", 0))
+
     def _num_steps(self) -> int | None:
         steps = self.trainer.max_steps if self.trainer is not None else -1
         return steps if steps is not None and steps > 0 else None
@@ -282,8 +291,7 @@ class RolloutDataModule(L.LightningDataModule):
         trust = bool(getattr(self.trainer.lightning_module, "trust_remote_code", False))
         tokenizer = load_tokenizer(self.resolve_tokenizer(), trust_remote_code=trust)  # built-in names too
         teacher_scores = self.has_teacher
-        # the teacher's top-k tokens per position, when the module trains a dense divergence on them
-        teacher_top_k = int(getattr(self.trainer.lightning_module, "served_teacher_top_k", 0)) if teacher_scores else 0
+        teacher_top_k = self._teacher_top_k()
         filters = [GibberishFilter(enforce="gibberish" in self.enforce_filters),
                    RepetitionFilter(enforce="repetition" in self.enforce_filters)]
         buffer = RolloutBuffer(

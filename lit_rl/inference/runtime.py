@@ -71,6 +71,18 @@ ROLES = ("policy", "teacher")
 ADAPTER_NAME = "lit-rl-policy"  # the policy's LoRA adapter, as rollouts ask for it from the server
 
 
+VLLM_DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs unless told (checked on 0.32)
+
+
+def with_max_logprobs(options: dict, top_k: int) -> dict:
+    """Server options that let a teacher return `top_k` tokens per position: `--max-logprobs` raised
+    to it when above vLLM's default, unless the options already set it."""
+    extra = list(options.get("extra_args", ()))
+    if top_k <= VLLM_DEFAULT_MAX_LOGPROBS or any(a.split("=")[0] == "--max-logprobs" for a in extra):
+        return options
+    return {**options, "extra_args": [*extra, "--max-logprobs", str(top_k)]}
+
+
 class InferenceRuntime(L.Callback):
     def __init__(
         self,
@@ -126,6 +138,7 @@ class InferenceRuntime(L.Callback):
         self.serves_teacher = False  # ... or from a teacher, or scores with one
         self.tokenizer_name: str | None = None
         self.trust_remote_code = False
+        self.teacher_top_k = 0  # the teacher's top tokens per position a dense divergence asks for
         self.policy_version: int | None = None  # the optimizer steps whose weights the policy's server serves
         self.endpoints: dict[str, Endpoint] = {}
         self.evaluator: EvaluatorProcess | None = None
@@ -176,12 +189,15 @@ class InferenceRuntime(L.Callback):
     def has_teacher(self) -> bool:
         return bool(self.teacher_model or self.teacher_base_url)
 
-    def use(self, *, policy: bool, teacher: bool, tokenizer: str, trust_remote_code: bool = False) -> None:
+    def use(self, *, policy: bool, teacher: bool, tokenizer: str, trust_remote_code: bool = False,
+            teacher_top_k: int = 0) -> None:
         """Declared at setup by the part that samples: whether the policy is served (and synced
-        after every step), whether the teacher is, and the policy's tokenizer, which a teacher
-        must share. A run that declares nothing (plain SFT) starts no server."""
+        after every step), whether the teacher is, the policy's tokenizer, which a teacher must
+        share, and how many of the teacher's top tokens per position a dense divergence asks for.
+        A run that declares nothing (plain SFT) starts no server."""
         self.serves_policy, self.serves_teacher = policy, teacher and self.has_teacher
         self.tokenizer_name, self.trust_remote_code = tokenizer, trust_remote_code
+        self.teacher_top_k = teacher_top_k
 
     def client_factory(self, role: str, **kwargs) -> Callable[[], Any]:
         """A no-argument factory of `InferenceClient`s of the `role` server (rank 0, once started):
@@ -244,6 +260,8 @@ class InferenceRuntime(L.Callback):
             if self.teacher_model:
                 self._check_teacher(tokenizer_mismatch(tokenizer, load_tokenizer(
                     self.teacher_model, trust_remote_code=self.trust_remote_code)))
+        if self.serves_teacher and self.teacher_base_url is not None:  # checked before any server starts
+            self._open_teacher(root, tokenizer)
         if self.serves_policy:
             options = {}
             served = weights if self.lora is None else base_dir(root)  # LoRA: the base, and the adapter loaded on it
@@ -258,17 +276,28 @@ class InferenceRuntime(L.Callback):
                                                      allowed_root=root, interrupt=interrupt, **options)
             if self.base_url is not None or self.lora is not None:  # serve exactly the weights being trained
                 self._reload(weights)
-        if self.serves_teacher:
-            options = {}
-            if self.teacher_base_url is None:
-                options = {"log_path": root / "vllm_teacher.log", "dev_mode": False, "stop_on_sigterm": False,
-                           **self.teacher_server}
-                rank_zero_info(f"InferenceRuntime: starting the teacher's vLLM on {self.teacher_model} "
-                               f"(log: {options['log_path']})")
-            self.endpoints["teacher"] = open_endpoint(base_url=self.teacher_base_url, model=self.teacher_model,
-                                                      api_key=self.teacher_api_key, interrupt=interrupt, **options)
-            if not self.teacher_model:  # only the server knows what it serves
-                self._check_teacher(tokenizer_mismatch(tokenizer, asyncio.run(self._served_tokenizer("teacher"))))
+        if self.serves_teacher and self.teacher_base_url is None:
+            self._open_teacher(root, tokenizer)
+
+    def _open_teacher(self, root: Path, tokenizer) -> None:
+        """The teacher's endpoint: its managed server started (`--max-logprobs` raised to the
+        divergence's top k), or an existing server checked (tokenizer, top k) before any other
+        server starts."""
+        from lit_rl.rollouts.teacher import tokenizer_mismatch
+
+        options = {}
+        if self.teacher_base_url is None:
+            options = {"log_path": root / "vllm_teacher.log", "dev_mode": False, "stop_on_sigterm": False,
+                       **self.teacher_server}
+            options = with_max_logprobs(options, self.teacher_top_k)
+            rank_zero_info(f"InferenceRuntime: starting the teacher's vLLM on {self.teacher_model} "
+                           f"(log: {options['log_path']})")
+        self.endpoints["teacher"] = open_endpoint(base_url=self.teacher_base_url, model=self.teacher_model,
+                                                  api_key=self.teacher_api_key, interrupt=self._interrupted, **options)
+        if not self.teacher_model:  # only the server knows what it serves
+            self._check_teacher(tokenizer_mismatch(tokenizer, asyncio.run(self._served_tokenizer("teacher"))))
+        if self.teacher_base_url and self.teacher_top_k > VLLM_DEFAULT_MAX_LOGPROBS:
+            self._check_teacher(asyncio.run(self._top_k_refusal()))
 
     def _check_teacher(self, problem: str | None) -> None:
         if problem:
@@ -277,6 +306,20 @@ class InferenceRuntime(L.Callback):
     async def _served_tokenizer(self, role: str):
         async with self.endpoints[role].client() as client:
             return await client.tokenizer()
+
+    async def _top_k_refusal(self) -> str | None:
+        """Why an existing teacher server cannot return `teacher_top_k` tokens per position (its
+        `--max-logprobs` is below it), asked with one two-token scoring request before training,
+        instead of every rollout's scoring failing once training has begun."""
+        from lit_rl.inference.client import InferenceRequestError
+
+        async with self.endpoints["teacher"].client() as client:
+            try:
+                await client.score_top_k([0, 0], self.teacher_top_k)
+            except InferenceRequestError as e:
+                return (f"cannot return model.init_args.teacher_top_k={self.teacher_top_k} tokens per position "
+                        f"({e}): start it with --max-logprobs {self.teacher_top_k} or more, or lower teacher_top_k")
+        return None
 
     # ---- weight sync ----------------------------------------------------------------------------
     def _export(self, trainer, pl_module, step: int) -> Path:
