@@ -21,7 +21,7 @@ def sgd(params):
 
 def one_step(data_file, *, micro_batch_tokens, packing, batch_size=8, trainer_kw=None, **module_kw):
     L.seed_everything(0)
-    module = SFT(model=TINY_MODEL, random_init=True, optimizer=sgd, **{"max_grad_norm": None, **module_kw})
+    module = SFT(model=TINY_MODEL, random_init=True, **{"optimizer": sgd, "max_grad_norm": None, **module_kw})
     dm = StaticDataModule(
         data_file, batch_size=batch_size, shuffle=False, micro_batch_tokens=micro_batch_tokens,
         packing=packing, max_length=64, num_workers=0,
@@ -135,3 +135,18 @@ def test_fp16_mixed_precision_clips_the_unscaled_gradient_and_skips_an_overflow(
     assert overflow["train/loss_scale"].item() == 2.0**126
     for a, b in zip(module.model.parameters(), initial.parameters()):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+class SGDIgnoringItsClosure(torch.optim.SGD):
+    def step(self, closure=None):
+        return super().step()
+
+
+def test_an_optimizer_that_ignores_its_closure_stops_the_run_instead_of_training_unclipped(data_file):
+    """The clip runs from the closure Lightning hands `optimizer.step`: an optimizer that never calls
+    it would train with no clipping and no grad_norm, so the run stops with one message naming it."""
+    from lit_rl.stopping import RunFailed
+
+    with pytest.raises(RunFailed, match="SGDIgnoringItsClosure.step\\(\\) did not call the closure"):
+        one_step(data_file, micro_batch_tokens=4096, packing="padded", max_grad_norm=0.5,
+                 optimizer=lambda p: SGDIgnoringItsClosure(p, lr=1.0))

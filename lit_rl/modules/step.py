@@ -173,6 +173,12 @@ class TrainingStep:
         self._grad_norm = None
         optimizer.step()
         grad_norm = self._grad_norm
+        if grad_norm is None:  # the hook runs from the closure Lightning hands the optimizer's step
+            raise stopping.RunFailed(
+                f"training step {self.trainer.global_step}: {type(optimizer.optimizer).__name__}.step() did not call "
+                "the closure it was given, so the gradient was neither measured nor clipped (lit-rl clips in "
+                "on_before_optimizer_step, which Lightning runs from that closure); use an optimizer whose step "
+                "calls its closure, as torch.optim's do")
         # Gradients are freed at once, not at the next step: validation, exports and checkpoints
         # between steps then run without a second copy of the weights' size in memory.
         optimizer.zero_grad(set_to_none=True)
