@@ -44,6 +44,16 @@ def resolve_model_name(name: str | os.PathLike) -> str:
     return name
 
 
+def missing_local_model(name: str | os.PathLike) -> bool:
+    """Whether `name` can only be a local directory (absolute, `./`, `../`, `~`, or with more than
+    one `/`: a hub name is ORG/NAME) and there is none: said at once instead of after the hub's
+    own error about repository ids."""
+    path = resolve_model_name(name)
+    if os.path.isdir(path):
+        return False
+    return os.path.isabs(path) or path.startswith((".", "~")) or path.replace(os.sep, "/").count("/") > 1
+
+
 def not_loadable(name: str | os.PathLike, what: str, error: OSError) -> UserError:
     """The UserError for transformers' OSError on loading `name` (the user's spelling)."""
     name = os.fspath(name)

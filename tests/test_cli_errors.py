@@ -178,3 +178,23 @@ def test_lightnings_accumulation_and_clipping_flags_name_lit_rls_own(tmp_path, c
     assert "trainer.gradient_clip_val (0.5), trainer.gradient_clip_algorithm (value)" in err, err
     assert "model.init_args.max_grad_norm" in err and "automatic optimization" not in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_evaluate_and_serve_name_a_missing_directory_or_a_bad_env_before_any_server(tmp_path, capsys):
+    """Before: a missing --weights-dir was reported under '/weights', a bad --env was a traceback after
+    the evaluator's server had started (25 s here), and `serve` quoted the hub's error about
+    repository ids from vLLM's log."""
+    weights = tmp_path / "run" / "weights"
+    weights.mkdir(parents=True)
+    env = ["--env", "lit_rl.rollouts.ReverseTextEnv"]
+    err = user_error(["evaluate", "--weights-dir", str(tmp_path / "nope"), *env], capsys)
+    assert f"--weights-dir {tmp_path / 'nope'}: no such directory" in err, err
+    err = user_error(["evaluate", "--weights-dir", str(tmp_path / "run"), *env], capsys)
+    assert "not a run's weights/ directory" in err and "--run-dir" in err, err
+    err = user_error(["evaluate", "--weights-dir", str(weights), "--env", "lit_rl.rollouts.NoSuchEnv"], capsys)
+    assert "--env / --env-args" in err and "has no callable 'NoSuchEnv'" in err, err
+    err = user_error(["evaluate", "--weights-dir", str(weights), *env, "--env-args", '{"nope": 1}'], capsys)
+    assert "unexpected keyword argument 'nope'" in err, err
+    assert not (tmp_path / "run" / "evals").exists()  # no server, no log
+    err = user_error(["serve", "--model", str(tmp_path / "nope")], capsys)
+    assert f"--model {tmp_path / 'nope'}: no such directory (a hub name is ORG/NAME)" in err, err

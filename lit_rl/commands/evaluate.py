@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 from lit_rl.child_process import pid_alive
-from lit_rl.eval.evaluator import Evaluator
+from lit_rl.errors import UserError
+from lit_rl.eval.evaluator import Evaluator, instantiate
 from lit_rl.eval.logging import EvalLogger
 from lit_rl.eval.plan import EvalPlan, evals_dir
 from lit_rl.lora import adapter_base, is_adapter_dir, lora_server_options
@@ -52,6 +53,22 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-server-restarts", type=int, default=3,
                    help="restarts of the server it started, when that dies or hangs (the step is evaluated again)")
     return p.parse_args(argv)
+
+
+def run_root(args: argparse.Namespace) -> Path:
+    """The run directory: `--run-dir`, or the parent of `--weights-dir`, which must be a run's
+    `weights/` (checkpoints are read from `<run dir>/weights/step_N`, whatever was named). Either
+    must exist, unless `--follow` waits for it."""
+    given = args.run_dir or args.weights_dir
+    if not args.follow and not Path(given).is_dir():  # --follow may wait for a run that has not written it yet
+        raise UserError(f"--{'run' if args.run_dir else 'weights'}-dir {given}: no such directory")
+    if args.run_dir:
+        return Path(args.run_dir)
+    weights = Path(args.weights_dir)
+    if weights.resolve().name != "weights":
+        raise UserError(f"--weights-dir {args.weights_dir}: not a run's weights/ directory (lit-rl reads "
+                        "<run dir>/weights/step_N); give that directory, or --run-dir with the run directory")
+    return weights.resolve().parent
 
 
 def load_plan(args: argparse.Namespace, root: Path) -> EvalPlan:
@@ -100,8 +117,12 @@ async def run(args: argparse.Namespace) -> None:
     from lit_rl.inference.endpoint import open_endpoint
     from lit_rl.inference.restarts import ServerRestarts
 
-    root = Path(args.run_dir) if args.run_dir else Path(args.weights_dir).resolve().parent
+    root = run_root(args)
     plan = load_plan(args, root)
+    try:  # before any server starts: a wrong class path or init arg is the user's, said in one line
+        envs = [instantiate(config) for config in plan.envs]
+    except (ValueError, TypeError) as e:
+        raise UserError(f"--env / --env-args or the plan's environments: {e}") from e
     logger = EvalLogger(args.log_dir or evals_dir(root), json.loads(args.wandb) if args.wandb else None)
     server_kwargs = with_gpu_split(json.loads(args.server))
     model = None
@@ -123,7 +144,7 @@ async def run(args: argparse.Namespace) -> None:
                                   interrupted=lambda: False)
         async with endpoint.client() as client:
             evaluator = Evaluator(root, plan, client, logger, standalone=not args.follow, parent_pid=args.parent_pid,
-                                  restarts=restarts)
+                                  restarts=restarts, envs=envs)
             try:
                 await evaluator.run()
             finally:

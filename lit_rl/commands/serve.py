@@ -17,6 +17,9 @@ import signal
 import sys
 import time
 
+from lit_rl.errors import UserError
+from lit_rl.model_names import missing_local_model
+
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(prog="lit-rl serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -46,6 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     from lit_rl.inference.server import ServerStartError, VLLMServer
 
     args, extra = parse(sys.argv[1:] if argv is None else argv)
+    if missing_local_model(args.model):
+        raise UserError(f"--model {args.model}: no such directory (a hub name is ORG/NAME)")
     if args.num_infer_gpus is not None:
         from lit_rl.inference.gpus import plan_gpus, visible_gpus
 

@@ -50,6 +50,7 @@ class Evaluator:
         parent_pid: int | None = None,
         poll_seconds: float = 1.0,
         restarts=None,
+        envs: list[Environment] | None = None,
     ):
         """
         Args:
@@ -61,11 +62,13 @@ class Evaluator:
             parent_pid: exit when this process (the trainer) is gone.
             restarts: a `lit_rl.inference.restarts.ServerRestarts` of the server (role "evaluator"),
                 when this process started it; None: a failed step stays failed.
+            envs: the plan's environments, when the caller built them already (`lit-rl evaluate`
+                does, before its server starts); None: built here from `plan.envs`.
         """
         self.root, self.plan, self.client, self.logger = Path(root), plan, client, logger
         self.standalone, self.parent_pid, self.poll_seconds = standalone, parent_pid, poll_seconds
         self.restarts = restarts
-        self.envs: list[Environment] = [instantiate(cfg) for cfg in plan.envs]
+        self.envs: list[Environment] = envs if envs is not None else [instantiate(cfg) for cfg in plan.envs]
         names = [e.name for e in self.envs]
         if len(set(names)) != len(names):
             raise ValueError(f"evaluator: environment names must be unique, got {names}")
