@@ -121,9 +121,8 @@ async def run(args: argparse.Namespace) -> None:
     plan = load_plan(args, root)
     envs = None
     if not args.follow:  # a user's command: a wrong class path or init arg is said before any server starts
-        # (Beside training, OnlineEval's plan was built by the trainer already, and building the envs
-        # before the server made its online-eval test slower, unexplained: 117 s against 91 s alone, and
-        # about 12 s in each of two CI runs; there they are built after the server starts, as before.)
+        # (Beside training, OnlineEval's plan was built by the trainer already; there they are built
+        # after the server starts, as before this check existed.)
         try:
             envs = [instantiate(config) for config in plan.envs]
         except (ValueError, TypeError) as e:
