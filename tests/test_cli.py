@@ -1,7 +1,9 @@
-"""The `lit-rl` entry point. Runs that train or validate go through the real entry point, as users
-run it (a subprocess); commands that only parse, print or reject a config call `lit_rl.cli.main`
-in this process (`lit_rl_main`, tests/conftest.py): the same code without a fresh interpreter's ~9 s
-of imports."""
+"""The `lit-rl` entry point. Runs that train or validate run `python -m lit_rl.cli` in a process of
+their own, forked from one that has imported lit-rl already (`run`, tests/forked_cli.py: a fresh
+interpreter's 6-9 s of imports once per pytest worker, not once per run); commands that only parse,
+print or reject a config call `lit_rl.cli.main` in this process (`lit_rl_main`, tests/conftest.py).
+The installed console script and the documented commands run as fresh processes
+(tests/test_install.py, tests/test_docs_commands.py)."""
 
 import csv
 import json
@@ -13,15 +15,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+from forked_cli import run_forked
 from helpers import REPO, reverse_rows, write_jsonl
 
-LIT_RL = [sys.executable, "-m", "lit_rl.cli"]
 CONFIG = str(REPO / "examples" / "reverse_text" / "sft.yaml")
 
 
 def run(args, env=None, timeout=600):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-    return subprocess.run(LIT_RL + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_forked(args, env, str(REPO), timeout)
 
 
 def fit_args(tmp_path, data, steps=3):
@@ -110,3 +112,23 @@ def test_shipped_configs_parse(config, lit_rl_main):
     assert code == 0, stderr[-2000:]
     parsed = yaml.safe_load(stdout)
     assert parsed["model"]["class_path"].startswith("lit_rl.") and parsed["data"]["class_path"].startswith("lit_rl.")
+
+
+def test_a_forked_run_sees_what_python_dash_m_gives_it(tmp_path):
+    """`run` forks lit-rl from a process that has imported it (tests/forked_cli.py), to spare each
+    run a fresh interpreter's imports. The fork must not see more than `python -m lit_rl.cli`
+    would: a callback from tests/ is not importable without PYTHONPATH, although the pytest worker
+    that forks it has tests/ on its path; with PYTHONPATH it is. Same exit codes and last lines as
+    a fresh interpreter, both ways (2: the config is invalid)."""
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
+    args = fit_args(tmp_path, data) + ["--trainer.callbacks+=online_eval_helpers.CrashAtStep", "--print_config"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("PYTHONPATH", None)
+    for extra in ({}, {"PYTHONPATH": str(REPO / "tests")}):
+        forked = run_forked(args, {**env, **extra}, str(REPO), timeout=300)
+        fresh = subprocess.run([sys.executable, "-m", "lit_rl.cli", *args], cwd=REPO, env={**env, **extra},
+                               capture_output=True, text=True, timeout=300)
+        assert forked.returncode == fresh.returncode == (0 if extra else 2), (forked.stderr[-2000:], fresh.stderr[-2000:])
+        assert forked.stdout == fresh.stdout
+        assert forked.stderr.strip().splitlines()[-1:] == fresh.stderr.strip().splitlines()[-1:], forked.stderr[-2000:]
+    assert "online_eval_helpers.CrashAtStep" in forked.stdout  # the config printed names the callback

@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from forked_cli import ForkedCLI
 from helpers import REPO, TINY_MODEL, reverse_rows, write_jsonl
-from test_cli import LIT_RL, metrics_rows, run
+from test_cli import metrics_rows, run
 from vllm_fixtures import write_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -40,15 +41,14 @@ def data(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("stop_data") / "train.jsonl", reverse_rows(40))
 
 
-def start(args: list[str]) -> subprocess.Popen:
-    """The CLI in its own process group (as a job under a scheduler), output captured; the
-    test-only callbacks of tests/ importable by class path."""
+def start(args: list[str]) -> ForkedCLI:
+    """The CLI in its own session and process group (as a job under a scheduler), output captured;
+    the test-only callbacks of tests/ importable by class path."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO / "tests")}
-    return subprocess.Popen(LIT_RL + args, cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    return ForkedCLI(args, env, str(REPO), new_session=True)
 
 
-def wait_for(proc: subprocess.Popen, ready, what: str, timeout: float = 300, poll: float = 0.01) -> None:
+def wait_for(proc: ForkedCLI, ready, what: str, timeout: float = 300, poll: float = 0.01) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
         if proc.poll() is not None:
@@ -57,7 +57,7 @@ def wait_for(proc: subprocess.Popen, ready, what: str, timeout: float = 300, pol
         time.sleep(poll)
 
 
-def stop_and_wait(proc: subprocess.Popen, groups: list[int], sig: int) -> tuple[str, float]:
+def stop_and_wait(proc: ForkedCLI, groups: list[int], sig: int) -> tuple[str, float]:
     """Send `sig` to each process group, wait for the trainer; its stderr and seconds to exit."""
     sent = time.monotonic()
     for pgid in groups:

@@ -16,6 +16,7 @@ import yaml
 
 from lit_rl.eval.logging import read_eval_metrics
 from lit_rl.eval.plan import DoneLog, EvalPlan
+from forked_cli import run_forked
 from helpers import REPO
 from online_eval_helpers import evaluator_processes
 from wandb_records import history, records, run_id
@@ -142,8 +143,7 @@ def write_config(tmp_path, data, *, steps, interval, envs, server=None, base_url
 
 def lit_rl(*args, timeout=900):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO / "tests")}
-    return subprocess.run([sys.executable, "-m", "lit_rl.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_forked(list(args), env, str(REPO), timeout)
 
 
 def eval_metrics(root: Path) -> dict[str, dict[int, float]]:
