@@ -66,11 +66,12 @@ def _cli_main(args, env, cwd, out_path, err_path, new_session, interpreter_path)
         target = os.open(path, os.O_WRONLY | os.O_TRUNC)
         os.dup2(target, fd)
         os.close(target)
-    sys.argv = [os.path.join(os.path.dirname(importlib.util.find_spec("lit_rl").origin), "cli.py"), *args]
-    sys.modules["__main__"].__spec__ = importlib.util.find_spec("lit_rl.cli")
+    spec = importlib.util.find_spec("lit_rl.cli")
+    sys.argv = [spec.origin, *args]
+    sys.modules["__main__"].__spec__ = spec
     from lit_rl import cli
 
-    code = 0
+    code, interrupted = 0, False
     try:
         cli.main()
     except SystemExit as e:
@@ -81,14 +82,15 @@ def _cli_main(args, env, cwd, out_path, err_path, new_session, interpreter_path)
             code = 1
     except KeyboardInterrupt:
         traceback.print_exc()
-        atexit._run_exitfuncs()
-        sys.stdout.flush(), sys.stderr.flush()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # the interpreter's exit on an uncaught Ctrl-C
-        os.kill(os.getpid(), signal.SIGINT)
+        interrupted = True
     except BaseException:
         traceback.print_exc()
         code = 1
     atexit._run_exitfuncs()
+    if interrupted:  # the interpreter's exit on an uncaught Ctrl-C: killed by SIGINT
+        sys.stdout.flush(), sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     sys.exit(code)
 
 
@@ -105,7 +107,12 @@ class ForkedCLI:
         self._process = _context().Process(
             target=_cli_main, args=(self.args, dict(env), str(cwd), *self._paths, new_session,
                                     _interpreter_path()))
-        self._process.start()
+        try:
+            self._process.start()
+        except BaseException:
+            for path in self._paths:
+                os.unlink(path)
+            raise
         self.pid = self._process.pid
         self.returncode: int | None = None
 

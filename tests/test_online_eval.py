@@ -16,9 +16,9 @@ import yaml
 
 from lit_rl.eval.logging import read_eval_metrics
 from lit_rl.eval.plan import DoneLog, EvalPlan
-from forked_cli import run_forked
 from helpers import REPO
 from online_eval_helpers import evaluator_processes
+from test_cli import run
 from wandb_records import history, records, run_id
 
 EXAMPLE = REPO / "examples" / "reverse_text" / "sft_online_eval.yaml"
@@ -142,8 +142,7 @@ def write_config(tmp_path, data, *, steps, interval, envs, server=None, base_url
 
 
 def lit_rl(*args, timeout=900):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO / "tests")}
-    return run_forked(list(args), env, str(REPO), timeout)
+    return run(list(args), env={"PYTHONPATH": str(REPO / "tests")}, timeout=timeout)
 
 
 def eval_metrics(root: Path) -> dict[str, dict[int, float]]:
@@ -157,11 +156,11 @@ def eval_metrics(root: Path) -> dict[str, dict[int, float]]:
 def restore_shared_server(vllm_server):
     import asyncio
 
-    async def run():
+    async def reload():
         async with vllm_server.client() as client:
             await client.reload_weights(vllm_server.model_dir)
 
-    asyncio.run(run())
+    asyncio.run(reload())
 
 
 def fit_on_shared_server(config, vllm_server, *args):
