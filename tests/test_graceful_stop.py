@@ -30,6 +30,8 @@ from helpers import REPO, TINY_MODEL, reverse_rows, write_jsonl
 from test_cli import metrics_rows, run
 from vllm_fixtures import write_tiny_checkpoint
 
+from lit_rl.data.rollout_datamodule import ENDLESS
+
 pytestmark = pytest.mark.slow
 EXAMPLES = REPO / "examples" / "reverse_text"
 SEED = 26  # picks the step each test stops at
@@ -223,6 +225,7 @@ def test_sigterm_to_the_whole_opd_job_saves_and_resumes(vllm_server, data, tmp_p
     time.sleep(2.0 + delay)  # the runtime sees it healthy within 0.5 s; the run goes on
     teachers = groups_of(teacher) - {proc.pid}
     err, took = stop_and_wait(proc, [proc.pid, *teachers], signal.SIGTERM)
+    assert ENDLESS not in err  # max_steps set
     assert "the teacher's vLLM server exited" in err and "restarting it (restart 1 of at most 3)" in err, err[-4000:]
     assert "the teacher's vLLM server is back, serving the teacher" in err, err[-4000:]
     step = assert_stopped_cleanly(err, 143, proc.returncode, root, took)
@@ -238,12 +241,13 @@ def test_sigterm_to_the_whole_opd_job_saves_and_resumes(vllm_server, data, tmp_p
     slow = json.dumps({"class_path": "online_eval_helpers.SlowStopSave", "init_args": {"marker": str(saving)}})
     before = ckpt.read_bytes()
     proc = start(args(steps, "--ckpt_path", "last", "--inference.teacher_model", str(teacher),
-                      "--trainer.callbacks+", slow))
+                      "--trainer.callbacks+", slow, "--trainer.max_steps", "-1"))  # endless: the signals stop it
     wait_for(proc, lambda: len(trace.read_text().splitlines()) > step, f"step {step + 1}")
     os.killpg(proc.pid, signal.SIGINT)
     wait_for(proc, saving.exists, "the stop's checkpoint")
     err, took = stop_and_wait(proc, [proc.pid], signal.SIGINT)
     assert proc.returncode == 130 and "Traceback" not in err, err[-4000:]
+    assert err.count(ENDLESS) == 1, err[-4000:]  # a run without max_steps says it trains until stopped
     last = err.strip().splitlines()[-1]
     assert "aborted by a second Ctrl-C before the stop's checkpoint was written" in last, err[-3000:]
     assert f"{ckpt} (step {step})" in last and "--ckpt_path last" in last, last

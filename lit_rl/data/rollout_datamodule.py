@@ -34,7 +34,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_rl import stopping
 from lit_rl.data.datamodules import PACKING_MODES, resolve_tokenizer_name
@@ -57,6 +57,10 @@ from lit_rl.sampling_process import RAW, SamplingProcess
 log = logging.getLogger(__name__)
 
 FILTERS = ("gibberish", "repetition")
+#: said at the start of a run without trainer.max_steps: its loader never ends an epoch
+ENDLESS = ("trainer.max_steps is not set: rollouts never end an epoch, so this run trains until trainer.max_time "
+           "(when set) or until it is stopped (Ctrl-C or SIGTERM save a checkpoint first); trainer.max_epochs has "
+           "no effect here")
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -204,6 +208,8 @@ class RolloutDataModule(L.LightningDataModule):
                           group_size=self.group_size, world_size=world, batch_size=self.batch_size, problems=problems)
         if problems:
             raise ValueError("RolloutDataModule: " + str(len(problems)) + " problem(s):\n  - " + "\n  - ".join(problems))
+        if self.trainer is not None and self._num_steps() is None:
+            rank_zero_warn(ENDLESS)
         if self.trainer is not None:
             module = self.trainer.lightning_module
             self.runtime.use(policy=self.source == "policy", teacher=True, tokenizer=self.resolve_tokenizer(),
