@@ -86,7 +86,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
 import trl_grpo  # noqa: E402
 from _common import REPO  # noqa: E402
-from trl_child import export_and_clock, read_spec, run_child, write_speed  # noqa: E402
+from trl_child import export_and_clock, read_spec, recording, run_child, write_speed  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO, "examples", "reverse_text"))
 from exact_match import score  # noqa: E402
@@ -334,9 +334,12 @@ def main(argv=None) -> None:
 
 
 # ---- TRL (runs in a child process: `--trl-worker spec.json`) -----------------------------------------
-def train_trl(args, root: str, seed: int | None = None) -> tuple[float, dict]:
+def train_trl(args, root: str, seed: int | None = None, record: str | None = None,
+              beta: float = 1.0) -> tuple[float, dict]:
     """TRL's DistillationTrainer from the same student, teacher, prompts and optimizer settings, with
-    an export into `root/weights/step_N` every `--every` steps (scored like lit-rl's)."""
+    an export into `root/weights/step_N` every `--every` steps (scored like lit-rl's). With
+    `record`, the child also writes every generation batch it trained on to that JSON file
+    (`bench/opd_same_samples.py` trains lit-rl on them); `beta` is TRL's (1: reverse KL)."""
     if not args.steps:
         raise SystemExit("the trl method needs --steps (TRL has no wall-clock budget)")
     shutil.rmtree(root, ignore_errors=True)
@@ -350,7 +353,7 @@ def train_trl(args, root: str, seed: int | None = None) -> tuple[float, dict]:
     spec = {"student": args.student, "teacher": args.teacher, "root": root, "steps": args.steps, "every": args.every,
             "lr": optimizer["init_args"]["lr"], "batch": data["batch_size"], "max_tokens": data["max_tokens"],
             "prompts": os.path.join(REPO, data["env"]["init_args"]["path"]), "seed": example.get("seed_everything", 0) if seed is None else seed,
-            "out": os.path.join(root, "trl_result.json")}
+            "out": os.path.join(root, "trl_result.json"), "record": record, "beta": beta}
     return run_child([os.path.abspath(__file__), "--trl-worker"], spec, root, "trl")
 
 
@@ -369,7 +372,7 @@ def trl_worker(spec_path: str) -> None:
     config = DistillationConfig(
         output_dir=os.path.join(spec["root"], "trl_out"), use_cpu=True, use_vllm=False, bf16=False, fp16=False,
         gradient_checkpointing=False, per_device_train_batch_size=micro, gradient_accumulation_steps=spec["batch"] // micro,
-        max_completion_length=spec["max_tokens"], temperature=1.0, top_p=1.0, top_k=0, beta=1.0,
+        max_completion_length=spec["max_tokens"], temperature=1.0, top_p=1.0, top_k=0, beta=spec.get("beta", 1.0),
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, optim="adamw_torch",
         max_grad_norm=1.0, max_steps=spec["steps"], logging_steps=1, report_to="none", save_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0, seed=spec["seed"],
@@ -378,7 +381,8 @@ def trl_worker(spec_path: str) -> None:
     trainer = DistillationTrainer(model=spec["student"], teacher_model=spec["teacher"], args=config,
                                   train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
                                   callbacks=[export_and_clock(spec, tokenizer, ticks)])
-    trainer.train()
+    with recording(trainer, spec.get("record"), ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")):
+        trainer.train()
     write_speed(spec, ticks)
 
 

@@ -65,12 +65,14 @@ SETTINGS = {"t1": "trl_grpo+lr1e4", "upb2": "trl_grpo+iter2+lr1e4", "t07": "trl_
 def recorded_samples(batch: dict) -> list:
     """One generation batch of TRL's as lit-rl Samples, in TRL's order (groups consecutive): the
     prompt's tokens (its mask's), then the completion's (its mask's: up to and with the EOS), the
-    completion trained, the reward TRL's reward function gave it."""
+    completion trained, the reward TRL's reward function gave it (0 where it has none: a
+    distillation batch)."""
     from lit_rl.data.samples import Sample
 
     rows = []
+    rewards = batch.get("rewards") or [0.0] * len(batch["prompt_ids"])
     for p_ids, p_mask, c_ids, c_mask, reward in zip(batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
-                                                    batch["completion_mask"], batch["rewards"]):
+                                                    batch["completion_mask"], rewards):
         prompt = [t for t, m in zip(p_ids, p_mask) if m]
         completion = [t for t, m in zip(c_ids, c_mask) if m]
         ids = prompt + completion

@@ -11,6 +11,7 @@ import resource
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 from _common import REPO
 
@@ -71,3 +72,27 @@ def write_speed(spec: dict, ticks: list[float]) -> None:
     with open(spec["out"], "w") as f:
         json.dump({"step_s": sum(spans) / max(len(spans), 1),
                    "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}, f)
+
+
+@contextmanager
+def recording(trainer, path: str | None, keys: tuple[str, ...], extra=None):
+    """With `path`, keep every generation batch the trainer trains on, as generated (a GRPO
+    group's completions consecutive, before TRL shuffles them into micro-batches): the tensors
+    `keys` of TRL's `_generate_and_score_completions`, and `extra()`'s entries; written to
+    `path` as JSON when the block ends. Without `path`, nothing is recorded."""
+    if not path:
+        yield
+        return
+    batches: list[dict] = []
+    generate = trainer._generate_and_score_completions
+
+    def recorded(inputs):
+        out = generate(inputs)
+        if trainer.model.training:
+            batches.append({**{k: out[k].tolist() for k in keys}, **(extra() if extra else {})})
+        return out
+
+    trainer._generate_and_score_completions = recorded
+    yield
+    with open(path, "w") as f:
+        json.dump(batches, f)

@@ -18,7 +18,6 @@ lit-rl on the same samples.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -27,7 +26,7 @@ import sys
 import yaml
 
 from _common import REPO
-from trl_child import export_and_clock, read_spec, run_child, write_speed
+from trl_child import export_and_clock, read_spec, recording, run_child, write_speed
 
 GRPO_CONFIG = os.path.join(REPO, "examples", "reverse_text", "grpo.yaml")
 MICRO = 16
@@ -134,31 +133,11 @@ def worker(spec_path: str) -> None:
     trainer = GRPOTrainer(model=model, reward_funcs=reverse_text_reward, args=config,
                           train_dataset=datasets.Dataset.from_list(spec["prompts"]), processing_class=tokenizer,
                           callbacks=[export_and_clock(spec, tokenizer, ticks)])
-    batches = recording(trainer, rewards) if spec.get("record") else None
-    trainer.train()
+    keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
+    with recording(trainer, spec.get("record"), keys, lambda: {"rewards": rewards[-1]}):
+        trainer.train()
     write_speed(spec, ticks)
-    if batches is not None:
-        with open(spec["record"], "w") as f:
-            json.dump(batches, f)
 
-
-def recording(trainer, rewards: list[list[float]]) -> list[dict]:
-    """Keep every generation batch the trainer trains on, as generated (groups of
-    `num_generations` consecutive, before TRL shuffles them into micro-batches): the prompt and
-    completion token ids with their masks, TRL's advantages and the rewards they came from."""
-    batches: list[dict] = []
-    generate = trainer._generate_and_score_completions
-
-    def recorded(inputs):
-        out = generate(inputs)
-        if trainer.model.training:
-            batches.append({**{k: out[k].tolist() for k in ("prompt_ids", "prompt_mask", "completion_ids",
-                                                              "completion_mask", "advantages")},
-                            "rewards": rewards[-1]})
-        return out
-
-    trainer._generate_and_score_completions = recorded
-    return batches
 
 if __name__ == "__main__":
     worker(sys.argv[1])
