@@ -47,7 +47,9 @@ after it `r4` / `r64` set the rank (alpha twice the rank: the same alpha / rank 
 `alpha64` / `alpha128` the alpha (scale 4 / 8 at rank 16),
 `cos` decays the lr by a cosine to 0.1x over the run, `wcos` warms it up over 4 steps first. Any method, `trl`
 too, may carry `seedN` (`trl+seed1`): the run's seed (default: opd.yaml's `seed_everything`), to
-see how far two runs of one setting differ.
+see how far two runs of one setting differ. For lit-rl it is `seed_everything`, which since
+2026-12-06 also sets the task order and the policy server's sampler seed (lit_rl/run_seed.py);
+before, every lit-rl seed drew seed 0's tasks from a server seeded 0.
 
 Each runs `lit-rl fit` for `--minutes` of training (Lightning's `max_time`; the run's wall time,
 servers' start-up included, is reported beside it) with an HF export every `--every` steps. Afterwards every export

@@ -83,12 +83,14 @@ def train_trl_grpo(args, method: str, root: str, record: str | None = None) -> t
         raise RuntimeError(f"{GRPO_CONFIG}: the bench gives TRL AdamW without weight decay; update it")
     tasks = data["batch_size"] // data["group_size"]
     batches = -(-args.steps // mods["num_iterations"])
-    prompts = drawn_prompts(os.path.join(REPO, data["env"]["init_args"]["path"]), batches * tasks,
-                            data.get("seed", 0))
+    seed = example.get("seed_everything", 0) if mods["seed"] is None else mods["seed"]
+    # lit-rl's task order: data.seed, else the run's seed (lit_rl/run_seed.py)
+    order = data["seed"] if data.get("seed") is not None else seed
+    prompts = drawn_prompts(os.path.join(REPO, data["env"]["init_args"]["path"]), batches * tasks, order)
     spec = {"student": args.student, "root": root, "steps": args.steps, "every": args.every,
             "lr": mods["lr"] or optimizer["init_args"]["lr"], "batch": data["batch_size"], "group_size": data["group_size"],
             "max_tokens": data["max_tokens"], "prompts": prompts,
-            "seed": example.get("seed_everything", 0) if mods["seed"] is None else mods["seed"],
+            "seed": seed,
             "num_iterations": mods["num_iterations"], "temperature": mods["temperature"],
             "out": os.path.join(root, "trl_result.json"), "record": record}
     wall, result = run_child([os.path.abspath(__file__)], spec, root, method)

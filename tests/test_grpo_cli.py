@@ -7,6 +7,7 @@ weight sync reloads it from the run directory, and the fixture restores its weig
 
 import csv
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -54,9 +55,11 @@ def test_staleness_bound_holds_and_a_resume_continues_versions_and_trains_no_sam
     root, held = tmp_path / "run", updates_per_batch > 1
     common = [*shared(vllm_server), "--data.init_args.max_staleness", str(max_staleness),
               "--model.init_args.updates_per_batch", str(updates_per_batch)]
-    first = run(grpo_args(root, data, str(vllm_server.model_dir), 3 if held else 2, *common))
+    # the task order follows the run's seed (no data.seed), and a resume keeps the order it started with
+    first = run(grpo_args(root, data, str(vllm_server.model_dir), 3 if held else 2, *common, "--seed_everything", "7"))
     assert first.returncode == 0, first.stderr[-4000:]
-    second = run(grpo_args(root, data, str(vllm_server.model_dir), 4, *common, "--ckpt_path", "last"))
+    second = run(grpo_args(root, data, str(vllm_server.model_dir), 4, *common, "--ckpt_path", "last",
+                           "--seed_everything", "8"))
     assert second.returncode == 0, second.stderr[-4000:]
     runs = [[r for r in csv.DictReader(open(path)) if r.get("train/staleness_max")]
             for path in sorted(root.glob("logs/version_*/metrics.csv"))]
@@ -78,6 +81,9 @@ def test_staleness_bound_holds_and_a_resume_continues_versions_and_trains_no_sam
     draws = [x["draw"] for s in steps for x in s["samples"]]
     groups = {d: draws.count(d) for d in draws}
     assert all(n == 4 for n in groups.values())  # each drawn task's group trained once, whole
+    order = list(range(40))  # the 40 tasks' first pass in seed 7's order (RolloutBuffer's shuffle)
+    random.Random("lit-rl:7:0").shuffle(order)
+    assert all(x["task_index"] == order[x["draw"]] for s in steps for x in s["samples"]), steps
     if held:  # the resumed step trained the batch of the step before it, with the trust region live
         before, after = rows[2], rows[3]
         assert [float(before[k]) for k in ("train/reward", "train/tokens")] == [

@@ -121,7 +121,7 @@ def test_grpo_with_lora_serves_the_trained_adapter_and_its_online_evals_score_ea
     args = grpo_args(root, data, tiny_model_path, 3, "--model.init_args.random_init", "true",
                      "--model.init_args.lora.rank", "8", "--model.init_args.lora.alpha", "16",
                      "--model.init_args.kl_coef", "0.05", "--model.init_args.optimizer.init_args.lr", "0.02",
-                     "--data.init_args.max_staleness", "0")
+                     "--data.init_args.max_staleness", "0", "--seed_everything", "7")
     args[args.index(CONFIG)] = str(tmp_path / "grpo_lora.yaml")
     result = run(args, env={"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])})
     assert result.returncode == 0, result.stderr[-4000:]
@@ -138,6 +138,7 @@ def test_grpo_with_lora_serves_the_trained_adapter_and_its_online_evals_score_ea
         assert not (path / "model.safetensors").exists(), path
         assert (path / ADAPTER_WEIGHTS).stat().st_size * 5 < base_bytes, path
     assert "lit-rl-policy" in (root / "vllm.log").read_text()
+    assert "seed=7," in (root / "vllm.log").read_text()  # the policy's sampler follows the run's seed
 
     (log_dir,) = [p.parent for p in root.glob("logs/version_*/eval_metrics.csv")]  # beside the trainer's metrics
     served = {r["step"]: r["value"] for r in read_eval_metrics(log_dir) if r["name"] == "eval/score/logprob_sum"}

@@ -52,6 +52,7 @@ from lit_rl.rollouts.context import TrainSampling
 from lit_rl.rollouts.envs import Environment
 from lit_rl.rollouts.filters import GibberishFilter, RepetitionFilter
 from lit_rl.rollouts.threaded import Interrupted, ThreadedRolloutBuffer
+from lit_rl.run_seed import run_seed
 from lit_rl.sampling_process import RAW, SamplingProcess
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ class RolloutDataModule(L.LightningDataModule):
         num_retries: int = 2,
         on_failure: str = "reject",
         requests_per_minute: float | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         micro_batch_tokens: int = 8192,
         packing: str = "padded",
         pack_length: int | None = None,
@@ -115,7 +116,7 @@ class RolloutDataModule(L.LightningDataModule):
             num_retries: retries of a failed rollout before it is rejected (or raised).
             on_failure: ``reject`` or ``raise`` once a rollout's retries are spent.
             requests_per_minute: pace rollout starts for rate-limited endpoints.
-            seed: seed of the task order.
+            seed: seed of the task order; None: the run's ``seed_everything`` (lit_rl/run_seed.py).
             micro_batch_tokens, packing, pack_length: the layout of a step, as in
                 `StaticDataModule`.
             batch_timeout: seconds a step may wait for its batch before failing with the
@@ -311,7 +312,7 @@ class RolloutDataModule(L.LightningDataModule):
             drop_stale=self.drop_stale, num_batches=self._num_batches(), updates_per_batch=self.updates_per_batch,
             num_retries=self.num_retries, on_failure=self.on_failure, scale=self.scale,
             skip_zero_advantage=self.skip_zero_advantage, filters=filters,
-            requests_per_minute=self.requests_per_minute, seed=self.seed,
+            requests_per_minute=self.requests_per_minute, seed=self.task_order_seed,
             chat_template_kwargs=self.chat_template_kwargs,
             teacher=runtime.client_factory("teacher", tokenizer=tokenizer) if teacher_scores else None,
             teacher_top_k=teacher_top_k,
@@ -356,6 +357,16 @@ class RolloutDataModule(L.LightningDataModule):
         if not (isinstance(batch, dict) and "rollout_step" in batch):
             return batch
         return self._draw_step()
+
+    @property
+    def task_order_seed(self) -> int:
+        """`seed`, or when it is None the order the run started with: at a resume the saved one
+        (a config without `seed_everything` draws a new seed at every launch), else the run's
+        seed, so that two seeds of a run draw their tasks in two orders."""
+        if self.seed is not None:
+            return self.seed
+        saved = (self._saved_state or {}).get("seed")
+        return saved if isinstance(saved, int) and not isinstance(saved, bool) else run_seed()
 
     @property
     def updates_per_batch(self) -> int:

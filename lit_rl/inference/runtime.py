@@ -66,6 +66,7 @@ from lit_rl.inference.restarts import ServerGone, ServerRestarts
 from lit_rl.inference.server import StartInterrupted
 from lit_rl.lora import lora_server_options
 from lit_rl.run_dir import base_dir, lease
+from lit_rl.run_seed import run_seed, with_sampler_seed
 
 ROLES = ("policy", "teacher")
 ADAPTER_NAME = "lit-rl-policy"  # the policy's LoRA adapter, as rollouts ask for it from the server
@@ -269,6 +270,8 @@ class InferenceRuntime(L.Callback):
                 options = {"log_path": root / "vllm.log", "stop_on_sigterm": False, **self.server}
                 if self.lora is not None:
                     options = lora_server_options(options, self.lora.rank)
+                # the run's seed, moved on by the step at a resume (not the start's draws again)
+                options = with_sampler_seed(options, run_seed() + step)
                 self._lease = lease(served, "server")  # retention keeps the directory it was started on
                 self._lease.__enter__()
                 rank_zero_info(f"InferenceRuntime: starting the policy's vLLM on {served} (log: {options['log_path']})")
