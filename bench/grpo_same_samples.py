@@ -175,6 +175,46 @@ def held_out(model_dir: str, samples: int) -> dict:
     return score(model_dir, HELD_OUT, samples=samples)
 
 
+def compare(args, name: str, label: str, root: str, trl_root: str, export_at: list[int]) -> list[dict]:
+    """lit-rl's exports under `root` against TRL's under `trl_root` at the steps `export_at`: the
+    weight distances (`distance`) and both held-out rewards, one row each, printed as they come."""
+    rows = []
+    for step in export_at:
+        trl_dir = os.path.join(trl_root, "weights", f"step_{step}")
+        mine = os.path.join(root, "weights", f"step_{step}")
+        worst, relative = distance(mine, trl_dir, args.student)
+        rows.append({"setting": name, "run": label, "step": step, "max_abs": worst, "relative": relative,
+                     **{f"lit_{k}": v for k, v in held_out(mine, args.samples).items()},
+                     **{f"trl_{k}": v for k, v in held_out(trl_dir, args.samples).items()}})
+        r = rows[-1]
+        print(f"[{name}] {label} step {step}: weights max |lit-rl - TRL| {worst:.2e}, distance / TRL's from the start "
+              f"{relative:.2e}; held-out greedy {r['lit_reward']:.3f} vs {r['trl_reward']:.3f}, sampled "
+              f"{r['lit_sampled_reward']:.3f} vs {r['trl_sampled_reward']:.3f}", flush=True)
+    return rows
+
+
+def report(rows: list[dict], start: dict, json_path: str | None) -> None:
+    """The rows as a markdown table, and with the start's rewards into `json_path` when given."""
+    print("\n| setting | run | step | max abs weight difference | distance / TRL's from the start | greedy lit-rl / TRL "
+          "| sampled lit-rl / TRL |\n|---|---|---:|---:|---:|---|---|")
+    for r in rows:
+        print(f"| {r['setting']} | {r['run']} | {r['step']} | {r['max_abs']:.1e} | {r['relative']:.1e} | "
+              f"{r['lit_reward']:.3f} / {r['trl_reward']:.3f} | {r['lit_sampled_reward']:.3f} / {r['trl_sampled_reward']:.3f} |")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"start": start, "rows": rows}, f, indent=1)
+
+
+def add_run_arguments(p: argparse.ArgumentParser, out: str) -> None:
+    """The student, the run's length, the held-out scoring and the outputs (both same-samples benches)."""
+    p.add_argument("--student", default="runs/reverse_text_sft_short/weights/step_40")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--every", type=int, default=10, help="compare every N optimizer steps")
+    p.add_argument("--samples", type=int, default=4, help="completions per held-out prompt for the sampled reward")
+    p.add_argument("--out", default=out)
+    p.add_argument("--json", default=None, help="also write the rows here")
+
+
 def run_setting(args, name: str) -> list[dict]:
     from lit_rl.sampling_process import SamplingProcess
 
@@ -207,29 +247,14 @@ def run_setting(args, name: str) -> list[dict]:
         root = os.path.join(out, "".join(c if c.isalnum() else "_" for c in label))
         train_lit_rl(args.student, steps, mods["num_iterations"], SamplingProcess(temperature=temperature), mods["lr"],
                      loss_type, root, args.every)
-        for step in export_at:
-            trl_dir = os.path.join(trl_root, "weights", f"step_{step}")
-            mine = os.path.join(root, "weights", f"step_{step}")
-            worst, relative = distance(mine, trl_dir, args.student)
-            rows.append({"setting": name, "run": label, "step": step, "max_abs": worst, "relative": relative,
-                         **{f"lit_{k}": v for k, v in held_out(mine, args.samples).items()},
-                         **{f"trl_{k}": v for k, v in held_out(trl_dir, args.samples).items()}})
-            r = rows[-1]
-            print(f"[{name}] {label} step {step}: weights max |lit-rl - TRL| {worst:.2e}, distance / TRL's from the start "
-                  f"{relative:.2e}; held-out greedy {r['lit_reward']:.3f} vs {r['trl_reward']:.3f}, sampled "
-                  f"{r['lit_sampled_reward']:.3f} vs {r['trl_sampled_reward']:.3f}", flush=True)
+        rows += compare(args, name, label, root, trl_root, export_at)
     return rows
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--settings", default="t1,upb2,t07", help=f"comma separated, of {list(SETTINGS)}")
-    p.add_argument("--student", default="runs/reverse_text_sft_short/weights/step_40")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--every", type=int, default=10, help="compare every N optimizer steps")
-    p.add_argument("--samples", type=int, default=4, help="completions per held-out prompt for the sampled reward")
-    p.add_argument("--out", default="runs/grpo_same_samples")
-    p.add_argument("--json", default=None, help="also write the rows here")
+    add_run_arguments(p, "runs/grpo_same_samples")
     args = p.parse_args(argv)
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
     unknown = [s for s in settings if s not in SETTINGS]
@@ -240,15 +265,7 @@ def main(argv=None) -> None:
     args.student = os.path.abspath(args.student)
     start = held_out(args.student, args.samples)
     print(f"start: held-out greedy {start['reward']:.3f}, sampled {start['sampled_reward']:.3f}", flush=True)
-    rows = [row for name in settings for row in run_setting(args, name)]
-    print("\n| setting | run | step | max abs weight difference | distance / TRL's from the start | greedy lit-rl / TRL "
-          "| sampled lit-rl / TRL |\n|---|---|---:|---:|---:|---|---|")
-    for r in rows:
-        print(f"| {r['setting']} | {r['run']} | {r['step']} | {r['max_abs']:.1e} | {r['relative']:.1e} | "
-              f"{r['lit_reward']:.3f} / {r['trl_reward']:.3f} | {r['lit_sampled_reward']:.3f} / {r['trl_sampled_reward']:.3f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"start": start, "rows": rows}, f, indent=1)
+    report([row for name in settings for row in run_setting(args, name)], start, args.json)
 
 
 if __name__ == "__main__":

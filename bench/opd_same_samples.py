@@ -40,7 +40,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
 from _common import REPO  # noqa: E402
 from distillation import train_trl  # noqa: E402
-from grpo_same_samples import distance, held_out, recorded_samples  # noqa: E402
+from grpo_same_samples import add_run_arguments, compare, held_out, recorded_samples, report  # noqa: E402
 
 OPD_CONFIG = os.path.join(REPO, "examples", "reverse_text", "opd.yaml")
 #: setting -> (TRL's beta, lit-rl's divergence and beta)
@@ -100,30 +100,15 @@ def run_setting(args, name: str) -> list[dict]:
               f"completions in the first), {len(steps[0]['micro_batches'])} micro-batch(es) in the first", flush=True)
         root = os.path.join(out, "".join(c if c.isalnum() else "_" for c in label))
         train_lit_rl(args.student, args.teacher, steps, divergence, beta, lr, root, args.every)
-        for step in export_at:
-            trl_dir = os.path.join(trl_root, "weights", f"step_{step}")
-            mine = os.path.join(root, "weights", f"step_{step}")
-            worst, relative = distance(mine, trl_dir, args.student)
-            rows.append({"setting": name, "run": label, "step": step, "max_abs": worst, "relative": relative,
-                         **{f"lit_{k}": v for k, v in held_out(mine, args.samples).items()},
-                         **{f"trl_{k}": v for k, v in held_out(trl_dir, args.samples).items()}})
-            r = rows[-1]
-            print(f"[{name}] {label} step {step}: weights max |lit-rl - TRL| {worst:.2e}, distance / TRL's from the start "
-                  f"{relative:.2e}; held-out greedy {r['lit_reward']:.3f} vs {r['trl_reward']:.3f}, sampled "
-                  f"{r['lit_sampled_reward']:.3f} vs {r['trl_sampled_reward']:.3f}", flush=True)
+        rows += compare(args, name, label, root, trl_root, export_at)
     return rows
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--settings", default="reverse_kl", help=f"comma separated, of {list(SETTINGS)}")
-    p.add_argument("--student", default="runs/reverse_text_sft_short/weights/step_40")
     p.add_argument("--teacher", default="runs/reverse_text_sft/weights/step_300")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--every", type=int, default=10, help="compare every N optimizer steps")
-    p.add_argument("--samples", type=int, default=4, help="completions per held-out prompt for the sampled reward")
-    p.add_argument("--out", default="runs/opd_same_samples")
-    p.add_argument("--json", default=None, help="also write the rows here")
+    add_run_arguments(p, "runs/opd_same_samples")
     args = p.parse_args(argv)
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
     unknown = [s for s in settings if s not in SETTINGS]
@@ -135,16 +120,7 @@ def main(argv=None) -> None:
     args.student, args.teacher = os.path.abspath(args.student), os.path.abspath(args.teacher)
     start = held_out(args.student, args.samples)
     print(f"start: held-out greedy {start['reward']:.3f}, sampled {start['sampled_reward']:.3f}", flush=True)
-    rows = [row for name in settings for row in run_setting(args, name)]
-    print("\n| setting | run | step | max abs weight difference | distance / TRL's from the start | greedy lit-rl / TRL "
-          "| sampled lit-rl / TRL |\n|---|---|---:|---:|---:|---|---|")
-    for r in rows:
-        print(f"| {r['setting']} | {r['run']} | {r['step']} | {r['max_abs']:.1e} | {r['relative']:.1e} | "
-              f"{r['lit_reward']:.3f} / {r['trl_reward']:.3f} | {r['lit_sampled_reward']:.3f} / {r['trl_sampled_reward']:.3f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"start": start, "rows": rows}, f, indent=1)
-
+    report([row for name in settings for row in run_setting(args, name)], start, args.json)
 
 if __name__ == "__main__":
     main()

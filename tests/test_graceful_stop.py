@@ -255,6 +255,8 @@ def test_sigterm_to_the_whole_opd_job_saves_and_resumes(vllm_server, data, tmp_p
     assert took < 30, f"{took:.0f} s from the second Ctrl-C to the exit"
     assert ckpt.read_bytes() == before and not list(ckpt.parent.glob("*.part"))
     assert not processes_of(teacher) and not processes_of(root)
+    # the resumed run's teacher server sampled from seed_everything (0) + the step it started at
+    assert f"seed={step}," in (root / "vllm_teacher.log").read_text()
 
     out = run(args(steps, "--ckpt_path", "last", "--inference.teacher_model", "null",
                    "--inference.teacher_server", "{}", "--inference.teacher_base_url", vllm_server.base_url))

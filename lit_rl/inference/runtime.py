@@ -262,7 +262,7 @@ class InferenceRuntime(L.Callback):
                 self._check_teacher(tokenizer_mismatch(tokenizer, load_tokenizer(
                     self.teacher_model, trust_remote_code=self.trust_remote_code)))
         if self.serves_teacher and self.teacher_base_url is not None:  # checked before any server starts
-            self._open_teacher(root, tokenizer)
+            self._open_teacher(root, tokenizer, step)
         if self.serves_policy:
             options = {}
             served = weights if self.lora is None else base_dir(root)  # LoRA: the base, and the adapter loaded on it
@@ -280,19 +280,20 @@ class InferenceRuntime(L.Callback):
             if self.base_url is not None or self.lora is not None:  # serve exactly the weights being trained
                 self._reload(weights)
         if self.serves_teacher and self.teacher_base_url is None:
-            self._open_teacher(root, tokenizer)
+            self._open_teacher(root, tokenizer, step)
 
-    def _open_teacher(self, root: Path, tokenizer) -> None:
+    def _open_teacher(self, root: Path, tokenizer, step: int) -> None:
         """The teacher's endpoint: its managed server started (`--max-logprobs` raised to the
-        divergence's top k), or an existing server checked (tokenizer, top k) before any other
-        server starts."""
+        divergence's top k; seeded as the policy's, for the completions it samples when it is the
+        data's source), or an existing server checked (tokenizer, top k) before any other server
+        starts."""
         from lit_rl.rollouts.teacher import tokenizer_mismatch
 
         options = {}
         if self.teacher_base_url is None:
             options = {"log_path": root / "vllm_teacher.log", "dev_mode": False, "stop_on_sigterm": False,
                        **self.teacher_server}
-            options = with_max_logprobs(options, self.teacher_top_k)
+            options = with_sampler_seed(with_max_logprobs(options, self.teacher_top_k), run_seed() + step)
             rank_zero_info(f"InferenceRuntime: starting the teacher's vLLM on {self.teacher_model} "
                            f"(log: {options['log_path']})")
         self.endpoints["teacher"] = open_endpoint(base_url=self.teacher_base_url, model=self.teacher_model,
