@@ -215,6 +215,15 @@ def add_run_arguments(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--json", default=None, help="also write the rows here")
 
 
+def chosen_settings(p: argparse.ArgumentParser, text: str, known) -> list[str]:
+    """`--settings`, comma separated, each one of `known` (a parser error names the others)."""
+    settings = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in settings if s not in known]
+    if unknown:
+        p.error(f"unknown settings {unknown}; known: {list(known)}")
+    return settings
+
+
 def run_setting(args, name: str) -> list[dict]:
     from lit_rl.sampling_process import SamplingProcess
 
@@ -256,10 +265,7 @@ def main(argv=None) -> None:
     p.add_argument("--settings", default="t1,upb2,t07", help=f"comma separated, of {list(SETTINGS)}")
     add_run_arguments(p, "runs/grpo_same_samples")
     args = p.parse_args(argv)
-    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
-    unknown = [s for s in settings if s not in SETTINGS]
-    if unknown:
-        p.error(f"unknown settings {unknown}; known: {list(SETTINGS)}")
+    settings = chosen_settings(p, args.settings, SETTINGS)
     if not os.path.isfile(os.path.join(args.student, "STABLE")):
         p.error(f"--student {args.student} is not a finished checkpoint; bash examples/reverse_text/run_opd_demo.sh makes it")
     args.student = os.path.abspath(args.student)

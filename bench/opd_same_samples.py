@@ -40,7 +40,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
 from _common import REPO  # noqa: E402
 from distillation import train_trl  # noqa: E402
-from grpo_same_samples import add_run_arguments, compare, held_out, recorded_samples, report  # noqa: E402
+from grpo_same_samples import add_run_arguments, chosen_settings, compare, held_out, recorded_samples, report  # noqa: E402,E501
 
 OPD_CONFIG = os.path.join(REPO, "examples", "reverse_text", "opd.yaml")
 #: setting -> (TRL's beta, lit-rl's divergence and beta)
@@ -110,10 +110,7 @@ def main(argv=None) -> None:
     p.add_argument("--teacher", default="runs/reverse_text_sft/weights/step_300")
     add_run_arguments(p, "runs/opd_same_samples")
     args = p.parse_args(argv)
-    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
-    unknown = [s for s in settings if s not in SETTINGS]
-    if unknown:
-        p.error(f"unknown settings {unknown}; known: {list(SETTINGS)}")
+    settings = chosen_settings(p, args.settings, SETTINGS)
     for flag, path in (("--student", args.student), ("--teacher", args.teacher)):
         if not os.path.isfile(os.path.join(path, "STABLE")):
             p.error(f"{flag} {path} is not a finished checkpoint; bash examples/reverse_text/run_opd_demo.sh makes it")
