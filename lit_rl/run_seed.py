@@ -2,12 +2,14 @@
 
 Lightning's `seed_everything(N)` (LightningCLI's `seed_everything: N`) seeds Python, NumPy and
 torch, and records N in the `PL_GLOBAL_SEED` environment variable, which every rank inherits.
-Two sources of randomness in an RL run are not seeded by it: the rollout buffer's task order
-(a string-seeded `random.Random`, stable across processes) and the sampling of the vLLM server
-lit-rl starts (vLLM's own `--seed`, 0 unless told). Both follow this seed unless set
-explicitly, so that runs of two seeds draw different tasks and different samples, as the runs of
-two seeds of a peer trainer do; before they did, every seed of a run drew the same tasks from a
-server seeded 0, and its runs differed only by the server's scheduling.
+Three kinds of randomness lit-rl draws are not seeded by it: the order of the rows and tasks a
+run trains on (an SFT data module's and a replay source's row order, from a seeded generator of
+their own so that a position is all a resume needs; the rollout buffer's task order, a
+string-seeded `random.Random`, stable across processes) and the sampling of the vLLM server
+lit-rl starts (vLLM's own `--seed`, 0 unless told). All follow this seed unless set explicitly,
+so that runs of two seeds draw different rows, tasks and samples, as the runs of two seeds of a
+peer trainer do (transformers' Trainer shuffles with its `seed`); before they did, every seed
+of a run saw the same rows in the same order (and in RL drew from a server seeded 0).
 """
 
 from __future__ import annotations
@@ -32,3 +34,22 @@ def with_sampler_seed(options: dict, seed: int) -> dict:
     if any(a.split("=")[0] == "--seed" for a in extra):
         return options
     return {**options, "extra_args": [*extra, "--seed", str(seed)]}
+
+
+def order_seed(explicit: int | None, saved: int | None, *, flag: str) -> int:
+    """The seed a row or task order is drawn from: `explicit` (the `flag` option) when set, else
+    the one a resumed run started with (`saved`, from its checkpoint), else the run's seed.
+
+    A resume keeps its order because the seed a launch gets may differ from the first
+    launch's, and a new order in the middle of a pass over the data would repeat some rows and
+    skip others; for the same reason an explicit seed that differs from the saved one is refused.
+    """
+    if explicit is not None:
+        if saved is not None and saved != explicit:
+            raise ValueError(
+                f"{flag} is {explicit}, but the checkpoint's run drew its order with seed {saved}: another "
+                f"order in the middle of a pass would repeat some rows and skip others; leave {flag} unset "
+                f"(the saved seed is kept) or set it to {saved}"
+            )
+        return explicit
+    return saved if saved is not None else run_seed()

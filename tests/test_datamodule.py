@@ -6,7 +6,7 @@ import datasets
 import pytest
 
 from lit_rl.data.datamodules import StaticDataModule
-from lit_rl.data.sampler import StepBatchSampler
+from lit_rl.data.sampler import StepBatchSampler, row_order
 from helpers import TINY_MODEL, reverse_rows, write_jsonl
 
 
@@ -102,6 +102,29 @@ def test_sampler_resume_and_ranks():
     assert [r for _, _, r in second] != full and sorted(sum((r for _, _, r in second), [])) == list(range(20))
     resumed.resume_at(0, 5)  # a checkpoint taken at the end of an epoch resumes with the next one
     assert [e for e, _, _ in resumed][0] == 1
+
+
+def test_the_row_order_follows_the_run_seed_and_a_resume_keeps_its_own(tmp_path, monkeypatch):
+    path = write_jsonl(tmp_path / "t.jsonl", reverse_rows(12))
+
+    def order(dm, state=None):
+        if state is not None:
+            dm.load_state_dict(state)
+        dm.setup("fit")
+        return dm.train_dataloader().sampler.order(0)
+
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")  # what seed_everything(7) sets
+    seven = order(dm_for(path))
+    assert seven == row_order(12, 0, shuffle=True, seed=7) != row_order(12, 0, shuffle=True, seed=8)
+    monkeypatch.setenv("PL_GLOBAL_SEED", "8")  # a resume launched with another seed
+    resumed = dm_for(path)
+    assert order(resumed, {"epoch": 0, "step_in_epoch": 1, "seed": 7}) == seven
+    assert resumed.state_dict() == {"epoch": 0, "step_in_epoch": 1, "seed": 7}
+    # a checkpoint from before the seed was saved drew with the old default, 0
+    assert order(dm_for(path), {"epoch": 0, "step_in_epoch": 1}) == row_order(12, 0, shuffle=True, seed=0)
+    assert order(dm_for(path, seed=3)) == row_order(12, 0, shuffle=True, seed=3)  # an explicit seed wins
+    with pytest.raises(ValueError, match="data.seed is 8, but the checkpoint's run drew its order with seed 7"):
+        order(dm_for(path, seed=8), {"epoch": 0, "step_in_epoch": 1, "seed": 7})
 
 
 def test_assistant_turns_inside_a_prompt_are_context(tmp_path):

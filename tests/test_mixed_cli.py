@@ -39,14 +39,16 @@ def test_every_replay_problem_is_reported_at_once_before_any_server(data, tmp_pa
 @pytest.mark.slow
 def test_grpo_with_replay_logs_both_losses_and_resumes_the_replay_order(vllm_server, data, tmp_path):
     """12 samples a step: 8 rollouts (2 groups of 4) and 4 replay rows (weights 2:1); the
-    second launch resumes at step 2 and trains the next rows of the same shuffled order."""
+    second launch resumes at step 2 and trains the next rows of the same shuffled order: the one
+    of the first launch's seed (the replay source sets none), though the second has another."""
     root = tmp_path / "run"
     common = [*shared(vllm_server), "--data.init_args.batch_size", "12", "--data.init_args.weight", "2",
-              *replay({"path": data, "weight": 1, "seed": 3})]
-    first = run(grpo_args(root, data, str(vllm_server.model_dir), 2, *common))
+              *replay({"path": data, "weight": 1})]
+    first = run(grpo_args(root, data, str(vllm_server.model_dir), 2, *common, "--seed_everything", "3"))
     assert first.returncode == 0, first.stderr[-4000:]
     assert "policy 8 samples (policy_gradient), replay 4 samples (cross_entropy)" in first.stderr
-    second = run(grpo_args(root, data, str(vllm_server.model_dir), 4, *common, "--ckpt_path", "last"))
+    second = run(grpo_args(root, data, str(vllm_server.model_dir), 4, *common, "--ckpt_path", "last",
+                           "--seed_everything", "4"))
     assert second.returncode == 0, second.stderr[-4000:]
     steps = trained(root)
     assert [s["step"] for s in steps] == [0, 1, 2, 3]

@@ -31,6 +31,26 @@ def test_rows_come_in_the_seeded_order_and_resume_from_the_position(tmp_path):
     assert [s.metadata["row"] for s in again.take(5)] == [s.metadata["row"] for s in rest]
 
 
+def test_the_order_follows_the_run_seed_and_a_resume_keeps_its_own(tmp_path, monkeypatch):
+    path = write_jsonl(tmp_path / "rows.jsonl", reverse_rows(6))
+    rows = lambda samples: [s.metadata["row"] for s in samples]  # noqa: E731
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")  # what seed_everything(7) sets
+    stream, _ = open_stream(ReplaySource(path=path))
+    assert rows(stream.take(3)) == row_order(6, 0, shuffle=True, seed=7)[:3] != row_order(6, 0, shuffle=True, seed=8)[:3]
+    state = stream.state_dict()
+    assert state["seed"] == 7
+    monkeypatch.setenv("PL_GLOBAL_SEED", "8")  # a resume launched with another seed
+    again, _ = open_stream(ReplaySource(path=path))
+    again.load_state_dict(state)
+    assert rows(again.take(3)) == row_order(6, 0, shuffle=True, seed=7)[3:]
+    legacy, _ = open_stream(ReplaySource(path=path))  # a checkpoint from before the seed was saved: seed 0
+    legacy.load_state_dict({"drawn": 3, "skipped": 0})
+    assert rows(legacy.take(3)) == row_order(6, 0, shuffle=True, seed=0)[3:]
+    explicit, _ = open_stream(ReplaySource(path=path, seed=8))
+    with pytest.raises(ValueError, match=r"data.replay\[0\].seed is 8, but .* seed 7"):
+        explicit.load_state_dict(state, where="data.replay[0].seed")
+
+
 def test_a_bad_row_is_named_or_skipped_when_asked(tmp_path):
     rows = reverse_rows(4)
     rows[2] = {"messages": [{"role": "user", "content": "no answer"}]}  # nothing to train on

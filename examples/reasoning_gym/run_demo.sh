@@ -3,7 +3,7 @@
 # same generator's tasks from another seed (2,000,000), scored before and after on held-out tasks
 # (seed 1,000,000) with `lit-rl evaluate`.
 #   bash examples/reasoning_gym/run_demo.sh [extra lit-rl fit flags for the GRPO run]
-# e.g. --seed_everything 1 --data.init_args.seed 1 (and ROOT=runs/reasoning_gym_grpo_seed1)
+# e.g. --seed_everything 1 (and ROOT=runs/reasoning_gym_grpo_seed1); the task order follows the seed
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false

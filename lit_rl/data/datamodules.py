@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lit_rl.data.sampler import StepBatchSampler
 from lit_rl.data.steps import RowRenderer, StepDataset, open_row_renderer
 from lit_rl.data.workers import resolve_num_workers
+from lit_rl.run_seed import order_seed
 
 PACKING_MODES = ("padded", "packed")
 BAD_ROW_POLICIES = ("error", "skip")
@@ -49,7 +50,7 @@ class StaticDataModule(L.LightningDataModule):
         tools_column: str = "tools",
         max_examples: int | None = None,
         shuffle: bool = True,
-        seed: int = 0,
+        seed: int | None = None,
         batch_size: int = 32,
         micro_batch_tokens: int = 8192,
         packing: str = "padded",
@@ -78,7 +79,8 @@ class StaticDataModule(L.LightningDataModule):
                 or JSON text as in ``tool_defs`` columns).
             max_examples: use only the first N rows.
             shuffle: shuffle rows, with a new order each epoch drawn from ``seed``.
-            seed: shuffle seed.
+            seed: shuffle seed; None: the run's ``seed_everything`` (a resumed run keeps the
+                order it started with; lit_rl/run_seed.py).
             batch_size: rows per optimizer step, over all ranks.
             micro_batch_tokens: token slots per micro-batch (rows x longest row); bounds memory.
             packing: ``padded`` (one sample per row, grouped by length) or ``packed`` (several
@@ -114,6 +116,7 @@ class StaticDataModule(L.LightningDataModule):
         self._trained: tuple[int, int] | None = None  # (epoch, step) of the last batch trained on
         self._pending: tuple[tuple[int, int], int] | None = None  # (position, global_step when handed over)
         self._resume: tuple[int, int] | None = None
+        self._saved_seed: int | None = None  # the shuffle seed of the run a checkpoint resumes
 
     # ---- set-up and validation ---------------------------------------------------------------
     def option_problems(self) -> list[str]:
@@ -192,7 +195,8 @@ class StaticDataModule(L.LightningDataModule):
     def train_dataloader(self):
         rank, world = self._rank()
         self._sampler = StepBatchSampler(
-            len(self._train.renderer.rows), self.batch_size, shuffle=self.shuffle, seed=self.seed, rank=rank, world_size=world
+            len(self._train.renderer.rows), self.batch_size, shuffle=self.shuffle, seed=self.shuffle_seed,
+            rank=rank, world_size=world,
         )
         if self._resume is not None:
             self._sampler.resume_at(*self._resume)
@@ -219,16 +223,25 @@ class StaticDataModule(L.LightningDataModule):
         if self._pending is not None and self.trainer is not None and self.trainer.global_step > self._pending[1]:
             self._trained, self._pending = self._pending[0], None
 
+    @property
+    def shuffle_seed(self) -> int:
+        """`seed`, else the one a resumed run started with, else the run's seed (so that two seeds
+        of a run see their rows in two orders): `lit_rl.run_seed.order_seed`."""
+        return order_seed(self.seed, self._saved_seed if self.shuffle else None, flag="data.seed")
+
     def state_dict(self) -> dict:
         self._settle_pending()
         if self._trained is None:
-            return {"epoch": self._resume[0], "step_in_epoch": self._resume[1]} if self._resume else {}
-        epoch, step = self._trained
-        return {"epoch": epoch, "step_in_epoch": step + 1}
+            position = {"epoch": self._resume[0], "step_in_epoch": self._resume[1]} if self._resume else {}
+        else:
+            position = {"epoch": self._trained[0], "step_in_epoch": self._trained[1] + 1}
+        return {**position, "seed": self.shuffle_seed} if position else {}
 
     def load_state_dict(self, state: dict) -> None:
         if state:
             self._resume = (int(state["epoch"]), int(state["step_in_epoch"]))
+            # a checkpoint from before the seed was saved shuffled with `seed`, whose default was 0
+            self._saved_seed = int(state["seed"]) if "seed" in state else (0 if self.seed is None else self.seed)
             # Lightning cannot see that this datamodule resumes mid-epoch by itself.
             warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
 

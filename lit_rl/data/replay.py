@@ -25,6 +25,7 @@ from lit_rl.data.mixing import Part, describe_split, part_unit, split_batch
 from lit_rl.data.samples import Sample
 from lit_rl.data.sampler import row_order
 from lit_rl.data.steps import BadRowError, RowRenderer, open_row_renderer
+from lit_rl.run_seed import order_seed
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ class ReplaySource:
         max_examples: use only the first N rows.
         max_length: longer rows are cut to this many tokens.
         shuffle: a new row order each pass over the data, drawn from `seed`.
-        seed: the shuffle seed.
+        seed: the shuffle seed; unset: the run's ``seed_everything`` (a resumed run keeps the
+            order it started with; lit_rl/run_seed.py).
         bad_rows: ``error`` stops at a bad row naming it; ``skip`` logs it and takes the next.
     """
 
@@ -65,7 +67,7 @@ class ReplaySource:
     max_examples: int | None = None
     max_length: int = 2048
     shuffle: bool = True
-    seed: int = 0
+    seed: int | None = None
     bad_rows: str = "error"
 
     def problems(self, where: str) -> list[str]:
@@ -103,12 +105,13 @@ class ReplayStream:
         self.num_rows = len(renderer.rows)
         self.drawn = 0  # rows handed out (or skipped) so far, over all epochs: the resume position
         self.skipped = 0
+        self.seed = order_seed(source.seed, None, flag="seed")  # the saved one replaces it on resume
         self._order: tuple[int, list[int]] | None = None  # (epoch, its row order), cached
 
     def _row(self, position: int) -> int:
         epoch = position // self.num_rows
         if self._order is None or self._order[0] != epoch:
-            self._order = (epoch, row_order(self.num_rows, epoch, shuffle=self.source.shuffle, seed=self.source.seed))
+            self._order = (epoch, row_order(self.num_rows, epoch, shuffle=self.source.shuffle, seed=self.seed))
         return self._order[1][position % self.num_rows]
 
     def take(self, n: int) -> list[Sample]:
@@ -135,10 +138,14 @@ class ReplayStream:
         return samples
 
     def state_dict(self) -> dict:
-        return {"drawn": self.drawn, "skipped": self.skipped}
+        return {"drawn": self.drawn, "skipped": self.skipped, "seed": self.seed}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, where: str = "seed") -> None:
         self.drawn, self.skipped = int(state["drawn"]), int(state.get("skipped", 0))
+        # a checkpoint from before the seed was saved drew with `seed`, whose default was 0
+        saved = int(state["seed"]) if "seed" in state else (self.source.seed or 0)
+        self.seed = order_seed(self.source.seed, saved if self.source.shuffle else None, flag=where)
+        self._order = None
 
 
 class ReplayMix:
@@ -218,5 +225,6 @@ class ReplayMix:
         if missing:
             raise ValueError(f"RolloutDataModule: the checkpoint has no position for replay source(s) {missing} "
                              f"(it has {sorted(saved)}); a run cannot gain replay sources on resume")
-        for name, stream in self.streams.items():
-            stream.load_state_dict(saved[name])
+        for i, source in enumerate(self.sources):
+            if getattr(source, "name", None) in self.streams:
+                self.streams[source.name].load_state_dict(saved[source.name], where=f"data.replay[{i}].seed")

@@ -52,7 +52,7 @@ from lit_rl.rollouts.context import TrainSampling
 from lit_rl.rollouts.envs import Environment
 from lit_rl.rollouts.filters import GibberishFilter, RepetitionFilter
 from lit_rl.rollouts.threaded import Interrupted, ThreadedRolloutBuffer
-from lit_rl.run_seed import run_seed
+from lit_rl.run_seed import order_seed
 from lit_rl.sampling_process import RAW, SamplingProcess
 
 log = logging.getLogger(__name__)
@@ -360,13 +360,11 @@ class RolloutDataModule(L.LightningDataModule):
 
     @property
     def task_order_seed(self) -> int:
-        """`seed`, or when it is None the order the run started with: at a resume the saved one
-        (a config without `seed_everything` draws a new seed at every launch), else the run's
-        seed, so that two seeds of a run draw their tasks in two orders."""
-        if self.seed is not None:
-            return self.seed
+        """`seed`, else the one a resumed run started with, else the run's seed (so that two
+        seeds of a run draw their tasks in two orders): `lit_rl.run_seed.order_seed`."""
         saved = (self._saved_state or {}).get("seed")
-        return saved if isinstance(saved, int) and not isinstance(saved, bool) else run_seed()
+        saved = saved if isinstance(saved, int) and not isinstance(saved, bool) else None
+        return order_seed(self.seed, saved, flag="data.seed")
 
     @property
     def updates_per_batch(self) -> int:
