@@ -197,14 +197,18 @@ def frozen_parameter_names(module: nn.Module) -> set[str]:
 def base_fingerprint(module: nn.Module) -> dict[str, list]:
     """Per frozen parameter: dtype, element count, float64 sum and L2 norm. Cheap to keep in a
     checkpoint and enough to tell two bases apart; summed in chunks so that no float64 copy of a
-    whole embedding matrix is made."""
+    whole embedding matrix is made. A sharded parameter (FSDP2's DTensor) is gathered one tensor
+    at a time, on every rank (a collective), so that its fingerprint is the whole tensor's."""
+    from torch.distributed.tensor import DTensor
+
     out = {}
     with torch.no_grad():
         for name, p in module.named_parameters():
             if p.requires_grad:
                 continue
+            whole = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
             total = squares = 0.0
-            for chunk in p.detach().reshape(-1).split(1 << 22):
+            for chunk in whole.reshape(-1).split(1 << 22):
                 wide = chunk.double()
                 total += wide.sum().item()
                 squares += wide.square().sum().item()

@@ -9,7 +9,8 @@ through the real CLI and configs/strategies/fsdp2.yaml as a second --config:
 - a sharded run stopped after step 1 and resumed continues exactly as an uninterrupted one;
 - activation checkpointing recomputes every sharded layer in backward and does not change the update;
 - GRPO and OPD run under FSDP2 with the real vLLM server;
-- a LoRA adapter trains under FSDP2 as in one process.
+- a LoRA adapter trains under FSDP2 as in one process, and its sharded checkpoints hold the adapter
+  without the frozen base and resume exactly.
 
 SGD with momentum and clipping at a norm below the gradients': the logged gradient norm (measured
 before clipping) catches a wrong constant factor, the weights catch a wrong clipping.
@@ -196,15 +197,23 @@ def adapter(root: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(root / "weights" / f"step_{step}" / "adapter_model.safetensors")
 
 
-def test_lora_under_fsdp2_trains_as_one_process(runs):
+LORA = ["--model.init_args.lora.rank", "4", "--model.init_args.lora.alpha", "8",
+        "--model.init_args.lora.target_modules", "[q_proj, v_proj, down_proj]"]
+
+
+@pytest.fixture(scope="module")
+def lora_runs(runs):
+    tmp, data = runs
+    ok(fit(tmp / "lora_one", data, 2, *LORA))
+    ok(sharded(tmp / "lora_two", data, 2, *LORA))
+    return tmp, data
+
+
+def test_lora_under_fsdp2_trains_as_one_process(lora_runs):
     """A LoRA adapter (the frozen base in the shards beside it): two sharded ranks train the adapter
     that one process trains, with the same losses and gradient norms; the exports hold only the
-    adapter. (A LoRA resume is exact: tests/test_lora.py; a sharded resume: above.)"""
-    tmp, data = runs
-    lora = ["--model.init_args.lora.rank", "4", "--model.init_args.lora.alpha", "8",
-            "--model.init_args.lora.target_modules", "[q_proj, v_proj, down_proj]"]
-    ok(fit(tmp / "lora_one", data, 2, *lora))
-    ok(sharded(tmp / "lora_two", data, 2, *lora))
+    adapter. (A LoRA resume is exact: tests/test_lora.py; a sharded one: below.)"""
+    tmp, data = lora_runs
     one, two = metrics(tmp / "lora_one"), metrics(tmp / "lora_two")
     for step in (0, 1):
         for name in ("train/loss", "train/grad_norm"):
@@ -215,3 +224,30 @@ def test_lora_under_fsdp2_trains_as_one_process(runs):
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=ATOL, rtol=0, msg=k)
     assert not (tmp / "lora_two" / "weights" / "step_2" / "model.safetensors").exists()
+
+
+def test_a_sharded_lora_checkpoint_leaves_the_base_out_and_resumes_exactly(lora_runs):
+    """lit-rl's FSDP2 strategy (fsdp2.yaml) writes a LoRA run's shards without the frozen base,
+    with the whole base's fingerprint, and a resume loads the adapter and its optimizer state
+    from them and the base from the model: it continues as the uninterrupted sharded run. A
+    resume without the adapter is refused naming the flag."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lit_rl.lora import base_difference
+
+    tmp, data = lora_runs
+    split = tmp / "lora_split"
+    ok(sharded(split, data, 1, *LORA))
+    checkpoint = split / "checkpoints" / "last.ckpt"
+    stored = [k for k in FileSystemReader(checkpoint).read_metadata().state_dict_metadata if k.startswith("state_dict.")]
+    assert len(stored) == N_LAYERS * 3 * 2 and all(".lora_" in k for k in stored), stored[:5]
+    saved = torch.load(checkpoint / "meta.pt", weights_only=False)["lit_rl"]["frozen_base"]
+    one_process = torch.load(tmp / "lora_one" / "checkpoints" / "last.ckpt", weights_only=False)["lit_rl"]["frozen_base"]
+    assert base_difference(saved, one_process) is None  # the fingerprint of the whole tensors, not of a shard
+    ok(sharded(split, data, 2, "--ckpt_path", "last", *LORA))
+    straight, resumed = metrics(tmp / "lora_two"), metrics(split)
+    assert [resumed[s]["train/loss"] for s in (0, 1)] == [straight[s]["train/loss"] for s in (0, 1)]
+    a, b = adapter(tmp / "lora_two", 2), adapter(split, 2)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    out = run(sharded(split, data, 3, "--ckpt_path", "last"))
+    assert out.returncode != 0 and "resume it with the same model.init_args.lora" in out.stderr, out.stderr[-3000:]

@@ -18,7 +18,7 @@ STRATEGIES = REPO / "configs" / "strategies"
 
 @pytest.mark.parametrize("name, strategy", [
     ("ddp", "ddp"),
-    ("fsdp2", "lightning.pytorch.strategies.ModelParallelStrategy"),
+    ("fsdp2", "lit_rl.model_parallel.ModelParallelStrategy"),  # Lightning's, LoRA checkpoints without the base
     ("fsdp1", "lightning.pytorch.strategies.FSDPStrategy"),
 ])
 def test_strategy_configs_compose_with_an_algorithm_config(name, strategy, lit_rl_main):

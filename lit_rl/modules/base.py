@@ -196,12 +196,16 @@ class CausalLMModule(TrainingStep, L.LightningModule):
 
     def _adapter_only_checkpoints(self) -> bool:
         """A LoRA run's checkpoints leave the frozen base out, where the whole state dict is in one
-        file that Lightning loads after `on_load_checkpoint` (one process, DDP). Sharded strategies
-        (FSDP2, FSDP1) load the model inside the strategy, before that hook: there it stays whole."""
+        file that Lightning loads after `on_load_checkpoint` (one process, DDP), and under lit-rl's
+        FSDP2 strategy, which loads its sharded checkpoints knowing that (lit_rl/model_parallel.py).
+        Lightning's sharded strategies (FSDP2, FSDP1) load the model inside the strategy, before
+        that hook, expecting every tensor: there it stays whole."""
         from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
         strategy = self._trainer.strategy if self._trainer is not None else None
-        return has_adapter(self.model) and not isinstance(strategy, (FSDPStrategy, ModelParallelStrategy))
+        if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
+            return has_adapter(self.model) and getattr(strategy, "adapter_only_checkpoints", False)
+        return has_adapter(self.model)
 
     def _frozen_base_fingerprint(self) -> dict:
         """`lit_rl.lora.base_fingerprint` of this module, computed once (the base never changes)."""
@@ -237,6 +241,8 @@ class CausalLMModule(TrainingStep, L.LightningModule):
                 f"({self.model_name}): {difference}. Resume with the model.init_args.model and "
                 f"model.init_args.dtype of the run that wrote it ({saved['model']})"
             )
+        if "state_dict" not in checkpoint:  # a sharded strategy has restored the module already
+            return
         ours = self.state_dict()
         for name in frozen_parameter_names(self):
             checkpoint["state_dict"].setdefault(name, ours[name])

@@ -1,0 +1,75 @@
+"""ModelParallelStrategy: Lightning's FSDP2 strategy, whose LoRA checkpoints leave the frozen base out.
+
+In one process or under DDP a LoRA run's `last.ckpt` holds the adapter, its optimizer state and a
+fingerprint of the frozen base, not the base: the base is loaded again from `model.init_args.model`
+at resume (`LitRLModule.on_save_checkpoint`, lit_rl/lora.py). Lightning's `ModelParallelStrategy`
+restores a sharded checkpoint inside `load_checkpoint`, before any module hook runs, and asks
+`torch.distributed.checkpoint` for every tensor of the model, so a checkpoint without the base
+would stop there with "Missing key". This subclass, which configs/strategies/fsdp2.yaml names, loads
+only the trainable tensors (and the optimizer state) from a sharded checkpoint that left the frozen
+ones out; the module's `on_load_checkpoint` then checks that the base it was loaded with is the one
+the adapter was trained on. Everything else is Lightning's. Lightning's own class still works, with
+the whole module in every checkpoint; so does `save_distributed_checkpoint: false` (one file).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME, _is_sharded_checkpoint
+from lightning.pytorch.strategies import ModelParallelStrategy as LightningModelParallelStrategy
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from lit_rl.errors import ConfigError
+from lit_rl.lora import frozen_parameter_names, has_adapter, is_adapter_key
+
+MODEL_KEY = "state_dict"  # where Lightning's sharded save puts the model's tensors
+
+
+class ModelParallelStrategy(LightningModelParallelStrategy):
+    @property
+    def adapter_only_checkpoints(self) -> bool:
+        """Whether a LoRA run's checkpoints may leave the frozen base out: sharded ones only, which
+        `load_checkpoint` below restores; a one-file checkpoint goes through Lightning's loading."""
+        return self._save_distributed_checkpoint
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        module = self.lightning_module
+        frozen = frozen_parameter_names(module) if has_adapter(getattr(module, "model", None)) else set()
+        if not _is_sharded_checkpoint(path):
+            return super().load_checkpoint(path, weights_only=weights_only)
+        if not frozen:
+            if any(is_adapter_key(k) for k in _stored(path)):
+                raise ConfigError("this checkpoint holds a LoRA adapter (it was written with model.lora set); "
+                                  "resume it with the same model.init_args.lora")
+            return super().load_checkpoint(path, weights_only=weights_only)
+        if any(f"{MODEL_KEY}.{name}" in _stored(path) for name in frozen):  # the whole module: Lightning's way
+            return super().load_checkpoint(path, weights_only=weights_only)
+        model_state = {k: v for k, v in get_model_state_dict(self.model).items() if k not in frozen}
+        dcp.load({MODEL_KEY: model_state}, checkpoint_id=path)
+        missing, unexpected = self.model.load_state_dict(model_state, strict=False)
+        if set(missing) - frozen or unexpected:
+            raise RuntimeError(f"{path}: loading the adapter-only checkpoint left {sorted(set(missing) - frozen)[:3]} "
+                               f"unset and found {unexpected[:3]} unknown")
+        for index, optimizer in enumerate(self.optimizers):  # as Lightning restores them
+            key = f"optimizer_{index}"
+            optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer)}
+            dcp.load(optimizer_state, checkpoint_id=path)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optimizer_state[key],
+                                     options=StateDictOptions(cpu_offload=True))
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+
+def _stored(path: Path) -> set[str]:
+    """The names of what the sharded checkpoint at `path` holds, from the index that
+    torch.distributed.checkpoint writes beside the shards (the model's as `state_dict.<name>`)."""
+    return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
