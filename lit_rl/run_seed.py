@@ -36,7 +36,7 @@ def with_sampler_seed(options: dict, seed: int) -> dict:
     return {**options, "extra_args": [*extra, "--seed", str(seed)]}
 
 
-def order_seed(explicit: int | None, saved: int | None, *, flag: str) -> int:
+def order_seed(explicit: int | None, saved: int | None, *, flag: str, announce: bool = True) -> int:
     """The seed a row or task order is drawn from: `explicit` (the `flag` option) when set, else
     the one a resumed run started with (`saved`, from its checkpoint), else the run's seed.
 
@@ -52,4 +52,11 @@ def order_seed(explicit: int | None, saved: int | None, *, flag: str) -> int:
                 f"(the saved seed is kept) or set it to {saved}"
             )
         return explicit
-    return saved if saved is not None else run_seed()
+    if saved is None:
+        return run_seed()
+    if announce and saved != run_seed():
+        from lightning.pytorch.utilities import rank_zero_info
+
+        rank_zero_info(f"{flag}: resuming the order of seed {saved}, the one the run started with "
+                       f"(this launch's seed_everything is {run_seed()})")
+    return saved

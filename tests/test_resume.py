@@ -56,6 +56,7 @@ def runs(tmp_path_factory):
     # the row order follows the run's seed, and a resume launched with another seed keeps the first one's
     out = run(fit(split, data, 6, "--ckpt_path", "last", "--seed_everything", "8"))
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "data.seed: resuming the order of seed 7, the one the run started with" in out.stdout + out.stderr
     return tmp, data, straight, split
 
 

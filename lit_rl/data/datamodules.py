@@ -235,7 +235,8 @@ class StaticDataModule(L.LightningDataModule):
             position = {"epoch": self._resume[0], "step_in_epoch": self._resume[1]} if self._resume else {}
         else:
             position = {"epoch": self._trained[0], "step_in_epoch": self._trained[1] + 1}
-        return {**position, "seed": self.shuffle_seed} if position else {}
+        seed = order_seed(self.seed, self._saved_seed if self.shuffle else None, flag="data.seed", announce=False)
+        return {**position, "seed": seed} if position else {}
 
     def load_state_dict(self, state: dict) -> None:
         if state:
