@@ -47,12 +47,13 @@ class ModelParallelStrategy(LightningModelParallelStrategy):
         frozen = frozen_parameter_names(module) if has_adapter(getattr(module, "model", None)) else set()
         if not _is_sharded_checkpoint(path):
             return super().load_checkpoint(path, weights_only=weights_only)
+        stored = _stored(path)
         if not frozen:
-            if any(is_adapter_key(k) for k in _stored(path)):
+            if any(is_adapter_key(k) for k in stored):
                 raise ConfigError("this checkpoint holds a LoRA adapter (it was written with model.lora set); "
                                   "resume it with the same model.init_args.lora")
             return super().load_checkpoint(path, weights_only=weights_only)
-        if any(f"{MODEL_KEY}.{name}" in _stored(path) for name in frozen):  # the whole module: Lightning's way
+        if any(f"{MODEL_KEY}.{name}" in stored for name in frozen):  # the whole module: Lightning's way
             return super().load_checkpoint(path, weights_only=weights_only)
         model_state = {k: v for k, v in get_model_state_dict(self.model).items() if k not in frozen}
         dcp.load({MODEL_KEY: model_state}, checkpoint_id=path)
