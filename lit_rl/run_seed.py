@@ -2,11 +2,11 @@
 
 Lightning's `seed_everything(N)` (LightningCLI's `seed_everything: N`) seeds Python, NumPy and
 torch, and records N in the `PL_GLOBAL_SEED` environment variable, which every rank inherits.
-Three kinds of randomness lit-rl draws are not seeded by it: the order of the rows and tasks a
-run trains on (an SFT data module's and a replay source's row order, from a seeded generator of
-their own so that a position is all a resume needs; the rollout buffer's task order, a
+Two kinds of randomness lit-rl draws are not seeded by it: the order of the rows and tasks a run
+trains on (an SFT data module's and a replay source's row order, each from a generator seeded
+for it so that a position is all a resume needs; the rollout buffer's task order, a
 string-seeded `random.Random`, stable across processes) and the sampling of the vLLM server
-lit-rl starts (vLLM's own `--seed`, 0 unless told). All follow this seed unless set explicitly,
+lit-rl starts (vLLM's own `--seed`, 0 unless told). Both follow this seed unless set explicitly,
 so that runs of two seeds draw different rows, tasks and samples, as the runs of two seeds of a
 peer trainer do (transformers' Trainer shuffles with its `seed`); before they did, every seed
 of a run saw the same rows in the same order (and in RL drew from a server seeded 0).
