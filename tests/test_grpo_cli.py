@@ -61,6 +61,8 @@ def test_staleness_bound_holds_and_a_resume_continues_versions_and_trains_no_sam
     second = run(grpo_args(root, data, str(vllm_server.model_dir), 4, *common, "--ckpt_path", "last",
                            "--seed_everything", "8"))
     assert second.returncode == 0, second.stderr[-4000:]
+    if not held:  # (the held batch's resume draws no new task: no task order is asked for)
+        assert "data.seed: resuming the order of seed 7, the one the run started with" in second.stdout + second.stderr
     runs = [[r for r in csv.DictReader(open(path)) if r.get("train/staleness_max")]
             for path in sorted(root.glob("logs/version_*/metrics.csv"))]
     assert [len(rows) for rows in runs] == ([3, 1] if held else [2, 2])
