@@ -119,5 +119,6 @@ def main(argv=None) -> None:
     print(f"start: held-out greedy {start['reward']:.3f}, sampled {start['sampled_reward']:.3f}", flush=True)
     report([row for name in settings for row in run_setting(args, name)], start, args.json)
 
+
 if __name__ == "__main__":
     main()

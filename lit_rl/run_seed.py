@@ -60,3 +60,9 @@ def order_seed(explicit: int | None, saved: int | None, *, flag: str, announce: 
         rank_zero_info(f"{flag}: resuming the order of seed {saved}, the one the run started with "
                        f"(this launch's seed_everything is {run_seed()})")
     return saved
+
+
+def saved_order_seed(state: dict, explicit: int | None) -> int:
+    """The seed a checkpoint's order was drawn with: `state["seed"]`; a checkpoint from before
+    lit-rl saved it drew with the option's seed `explicit`, whose default was then 0."""
+    return int(state["seed"]) if "seed" in state else (0 if explicit is None else explicit)

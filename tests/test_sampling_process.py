@@ -130,4 +130,3 @@ def test_a_real_server_after_a_reload_reports_the_logprobs_the_trainer_computes(
     floor = max(processed["t1"], 1e-7)
     assert processed["t07"] < 10 * floor + 1e-6 and processed["p09"] < 10 * floor + 1e-6
     assert raw["t07"] > 1e-3 and raw["p09"] > 1e-3  # the bias the processed logprobs remove
-

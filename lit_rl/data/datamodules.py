@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lit_rl.data.sampler import StepBatchSampler
 from lit_rl.data.steps import RowRenderer, StepDataset, open_row_renderer
 from lit_rl.data.workers import resolve_num_workers
-from lit_rl.run_seed import order_seed
+from lit_rl.run_seed import order_seed, saved_order_seed
 
 PACKING_MODES = ("padded", "packed")
 BAD_ROW_POLICIES = ("error", "skip")
@@ -195,8 +195,8 @@ class StaticDataModule(L.LightningDataModule):
     def train_dataloader(self):
         rank, world = self._rank()
         self._sampler = StepBatchSampler(
-            len(self._train.renderer.rows), self.batch_size, shuffle=self.shuffle, seed=self.shuffle_seed,
-            rank=rank, world_size=world,
+            len(self._train.renderer.rows), self.batch_size, shuffle=self.shuffle,
+            seed=self.shuffle_seed(announce=True), rank=rank, world_size=world,
         )
         if self._resume is not None:
             self._sampler.resume_at(*self._resume)
@@ -223,11 +223,10 @@ class StaticDataModule(L.LightningDataModule):
         if self._pending is not None and self.trainer is not None and self.trainer.global_step > self._pending[1]:
             self._trained, self._pending = self._pending[0], None
 
-    @property
-    def shuffle_seed(self) -> int:
+    def shuffle_seed(self, announce: bool = False) -> int:
         """`seed`, else the one a resumed run started with, else the run's seed (so that two seeds
         of a run see their rows in two orders): `lit_rl.run_seed.order_seed`."""
-        return order_seed(self.seed, self._saved_seed if self.shuffle else None, flag="data.seed")
+        return order_seed(self.seed, self._saved_seed if self.shuffle else None, flag="data.seed", announce=announce)
 
     def state_dict(self) -> dict:
         self._settle_pending()
@@ -235,14 +234,12 @@ class StaticDataModule(L.LightningDataModule):
             position = {"epoch": self._resume[0], "step_in_epoch": self._resume[1]} if self._resume else {}
         else:
             position = {"epoch": self._trained[0], "step_in_epoch": self._trained[1] + 1}
-        seed = order_seed(self.seed, self._saved_seed if self.shuffle else None, flag="data.seed", announce=False)
-        return {**position, "seed": seed} if position else {}
+        return {**position, "seed": self.shuffle_seed()} if position else {}
 
     def load_state_dict(self, state: dict) -> None:
         if state:
             self._resume = (int(state["epoch"]), int(state["step_in_epoch"]))
-            # a checkpoint from before the seed was saved shuffled with `seed`, whose default was 0
-            self._saved_seed = int(state["seed"]) if "seed" in state else (0 if self.seed is None else self.seed)
+            self._saved_seed = saved_order_seed(state, self.seed)
             # Lightning cannot see that this datamodule resumes mid-epoch by itself.
             warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
 

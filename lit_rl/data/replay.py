@@ -25,7 +25,7 @@ from lit_rl.data.mixing import Part, describe_split, part_unit, split_batch
 from lit_rl.data.samples import Sample
 from lit_rl.data.sampler import row_order
 from lit_rl.data.steps import BadRowError, RowRenderer, open_row_renderer
-from lit_rl.run_seed import order_seed
+from lit_rl.run_seed import order_seed, saved_order_seed
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +142,8 @@ class ReplayStream:
 
     def load_state_dict(self, state: dict, where: str = "seed") -> None:
         self.drawn, self.skipped = int(state["drawn"]), int(state.get("skipped", 0))
-        # a checkpoint from before the seed was saved drew with `seed`, whose default was 0
-        saved = int(state["seed"]) if "seed" in state else (self.source.seed or 0)
-        self.seed = order_seed(self.source.seed, saved if self.source.shuffle else None, flag=where)
+        saved = saved_order_seed(state, self.source.seed) if self.source.shuffle else None
+        self.seed = order_seed(self.source.seed, saved, flag=where)
         self._order = None
 
 
