@@ -32,6 +32,7 @@ from typing import Any
 
 import openai
 
+from lit_rl.inference.batching import PromptBatcher
 from lit_rl.model_names import load_tokenizer
 from lit_rl.run_dir import STABLE, lease, step_of, sync_dir, weights_dir
 
@@ -119,6 +120,7 @@ class InferenceClient:
         connect_timeout: float = 10.0,
         max_retries: int = 3,
         diagnose: Callable[[], str] | None = None,
+        batch_prompts: bool = True,
     ):
         """
         Args:
@@ -131,6 +133,9 @@ class InferenceClient:
             connect_timeout: seconds to establish a connection.
             max_retries: retries (exponential backoff from 0.5 s) on connection errors and 5xx.
             diagnose: returns a line on the server's state for error messages (VLLMServer.client sets it).
+            batch_prompts: send the prompts of calls made at the same moment with the same settings
+                as one request (`batching.PromptBatcher`: faster; each call then gets its answer
+                when the request's longest completion ends). False: one request per call.
         """
         root = base_url.rstrip("/")
         self.root_url = root[: -len("/v1")] if root.endswith("/v1") else root
@@ -146,6 +151,8 @@ class InferenceClient:
         self._stock_reload = False
         self._no_pause = False  # the server has no /pause (an older vLLM)
         self._reload_lock = asyncio.Lock()
+        self._model_lookup: asyncio.Future | None = None
+        self._batchers: dict[str, PromptBatcher] | None = {} if batch_prompts else None
 
     # ---- generation -------------------------------------------------------------------------------
     async def generate(
@@ -172,15 +179,11 @@ class InferenceClient:
         if ignore_eos:
             body["ignore_eos"] = True
         optional = {"seed": seed, "stop": list(stop) if stop else None}
-        resp = await self._call(
-            "generate",
-            self.openai.completions.create(
-                model=await self._model_name(), prompt=list(prompt_ids), max_tokens=max_tokens, n=n,
-                temperature=temperature, top_p=top_p, logprobs=0, extra_body=body,
-                **{k: v for k, v in optional.items() if v is not None},
-            ),
-        )
-        return [self._completion(c) for c in sorted(resp.choices, key=lambda c: c.index)]
+        settings = {"model": await self._model_name(), "max_tokens": max_tokens, "n": n, "temperature": temperature,
+                    "top_p": top_p, "logprobs": 0, "extra_body": body,
+                    **{k: v for k, v in optional.items() if v is not None}}
+        choices = await self._submit("generate", prompt_ids, settings)
+        return [self._completion(c) for c in sorted(choices, key=lambda c: c.index)]
 
     async def chat(
         self,
@@ -204,15 +207,11 @@ class InferenceClient:
         their log-probabilities (most likely first; [0] * k at position 0): a teacher's dense
         signal for distillation from one prefill. The server must allow k (vLLM's
         `--max-logprobs`, 20 by default)."""
-        resp = await self._call(
-            "score",
-            self.openai.completions.create(
-                model=await self._model_name(), prompt=list(ids), max_tokens=1, temperature=0.0,
-                extra_body={"prompt_logprobs": k, "return_token_ids": True},
-            ),
-        )
+        (choice,) = await self._submit("score", ids, {
+            "model": await self._model_name(), "max_tokens": 1, "temperature": 0.0,
+            "extra_body": {"prompt_logprobs": k, "return_token_ids": True}})
         # per position a dict token id -> {logprob, rank}: the k most likely tokens and the actual one
-        entries = (resp.choices[0].model_extra or {}).get("prompt_logprobs")
+        entries = (choice.model_extra or {}).get("prompt_logprobs")
         if not isinstance(entries, list) or len(entries) != len(ids):
             raise InferenceServerError(f"score: the server returned no prompt_logprobs for {len(ids)} ids (not vLLM?)")
         scores, top_ids, top_lps = [0.0], [[0] * k], [[0.0] * k]
@@ -352,6 +351,35 @@ class InferenceClient:
         return int(version) if isinstance(version, str) and version.isdigit() else None
 
     # ---- plumbing ---------------------------------------------------------------------------------
+    async def _submit(self, what: str, prompt_ids: Sequence[int], settings: dict) -> list[Any]:
+        """The choices for one prompt: sent with the prompts of the other calls of this moment
+        with the same settings (`batching.PromptBatcher`), or alone when `batch_prompts` is off."""
+        if self._batchers is None:
+            return (await self._complete(what, [list(prompt_ids)], settings))[0]
+        if what not in self._batchers:
+            async def send(prompts: list[list[int]], settings: dict) -> list[list[Any]]:
+                return await self._complete(what, prompts, settings)
+
+            self._batchers[what] = PromptBatcher(send, is_rejection=lambda e: isinstance(e, InferenceRequestError))
+        return await self._batchers[what].submit(prompt_ids, settings)
+
+    async def _complete(self, what: str, prompts: list[list[int]], settings: dict) -> list[list[Any]]:
+        """One `/v1/completions` request for `prompts`; each prompt's `n` choices, in order."""
+        resp = await self._call(what, self.openai.completions.create(
+            prompt=prompts[0] if len(prompts) == 1 else prompts, **settings))
+        n = settings.get("n", 1)
+        choices = sorted(resp.choices, key=lambda c: c.index)
+        if len(choices) != n * len(prompts):
+            raise InferenceServerError(f"{what}: asked for {n} choice(s) for each of {len(prompts)} prompt(s), the server "
+                                       f"returned {len(choices)}")
+        per_prompt = [choices[i * n:(i + 1) * n] for i in range(len(prompts))]
+        if len(prompts) > 1:  # the answer names the prompt of each choice: check that they line up
+            for prompt, group in zip(prompts, per_prompt):
+                seen = (group[0].model_extra or {}).get("prompt_token_ids")
+                if seen is not None and [int(t) for t in seen] != prompt:
+                    raise InferenceServerError(f"{what}: the server answered the prompts of one request out of order")
+        return per_prompt
+
     async def health(self) -> bool:
         try:
             await self._root.get("/health", cast_to=object, options={"max_retries": 0, "timeout": 5.0})
@@ -361,12 +389,20 @@ class InferenceClient:
 
     async def _model_name(self) -> str:
         if self.model is None:
-            models = await self._call("list models", self.openai.models.list())
-            if not models.data:
-                raise InferenceServerError(f"{self.base_url}/models lists no model")
-            self.model = models.data[0].id
-            self._served_root = (models.data[0].model_extra or {}).get("root")
+            # the first calls of a new client come together: one lookup, and all of them go on at
+            # once when it answers (a lock would let them through one loop turn apart)
+            lookup = self._model_lookup
+            if lookup is None or (lookup.done() and (lookup.cancelled() or lookup.exception() is not None)):
+                self._model_lookup = asyncio.ensure_future(self._list_models())
+            await asyncio.shield(self._model_lookup)
         return self.model
+
+    async def _list_models(self) -> None:
+        models = await self._call("list models", self.openai.models.list())
+        if not models.data:
+            raise InferenceServerError(f"{self.base_url}/models lists no model")
+        self._served_root = (models.data[0].model_extra or {}).get("root")
+        self.model = models.data[0].id
 
     async def tokenizer(self):
         if self._tokenizer is None or isinstance(self._tokenizer, (str, Path)):
