@@ -45,7 +45,9 @@ lr 1e-4, 3e-4 (grpo.yaml's until 2026-12-05: the GRPO tables in docs/benchmarks.
 5e-4, 1e-3, 2e-3, 3e-3 (AdamW, no weight decay), `lora` trains a LoRA adapter (rank 16, alpha 32, all linear layers) instead of every weight,
 after it `r4` / `r64` set the rank (alpha twice the rank: the same alpha / rank scale) and
 `alpha64` / `alpha128` the alpha (scale 4 / 8 at rank 16),
-`cos` decays the lr by a cosine to 0.1x over the run, `wcos` warms it up over 4 steps first. Any method, `trl`
+`cos` decays the lr by a cosine to 0.1x over the run, `wcos` warms it up over 4 steps first. Any lit-rl
+method may carry `nobatch`: one request to the server per rollout (`--inference.batch_prompts false`,
+as lit-rl sent them before 2026-12-06) instead of one for the rollouts that start together. Any method, `trl`
 too, may carry `seedN` (`trl+seed1`): the run's seed (default: opd.yaml's `seed_everything`), to
 see how far two runs of one setting differ. For lit-rl it is `seed_everything`, which since
 2026-12-06 also sets the task order and the policy server's sampler seed (lit_rl/run_seed.py);
@@ -126,6 +128,7 @@ MODIFIERS = {"group1": ["--data.init_args.group_size", "1"], "fresh": ["--data.i
              "lora": ["--model.init_args.lora.rank", "16", "--model.init_args.lora.alpha", "32"],
              **{f"r{r}": ["--model.init_args.lora.rank", str(r), "--model.init_args.lora.alpha", str(2 * r)] for r in (4, 64)},
              **{f"alpha{a}": ["--model.init_args.lora.alpha", str(a)] for a in (64, 128)},
+             "nobatch": ["--inference.batch_prompts", "false"],
              "clip1": ["--model.init_args.advantage_clip", "1.0"], "noclip": ["--model.init_args.advantage_clip", "null"],
              "warmup10": ["--model.init_args.lr_scheduler", json.dumps({"class_path": "lit_rl.optim.LRSchedule", "init_args": {
                  "name": "constant_with_warmup", "warmup_steps": 10}})],

@@ -38,6 +38,8 @@ Contenders (each run a fresh process; contenders alternate, the order reversed e
 Diagnostics (not in the default set): `lit0_spin1s`, `lit1_spin1s` are the lit-rl runs with vLLM's
 own worker spin-wait after each batch (1 s; lit-rl's servers spin 10 ms on CPU, see
 lit_rl/inference/vllm_main.py), set through LIT_RL_VLLM_SPIN_S=1: what that spin costs.
+`lit0_nobatch`, `lit1_nobatch` send one request per rollout (`--inference.batch_prompts false`, as
+lit-rl did before 2026-12-06) instead of one for the rollouts that start together.
 
 Steady state: each run does `--warmup` + `--steps` + 1 optimizer steps; s/step is the time from the
 end of the last warm-up step to the end of the last timed step over `--steps` (set-up, lit-rl's
@@ -87,6 +89,10 @@ CONTENDERS = {
     # on CPU (lit_rl/inference/vllm_main.py); these runs put vLLM's 1 s back.
     "lit0_spin1s": "lit-rl max_staleness=0, vLLM's 1 s spin",
     "lit1_spin1s": "lit-rl max_staleness=1, vLLM's 1 s spin",
+    # one request to the server per rollout, as lit-rl sent them before 2026-12-06, instead of one
+    # for the rollouts that start together (lit_rl/inference/batching.py)
+    "lit0_nobatch": "lit-rl max_staleness=0, a request per rollout",
+    "lit1_nobatch": "lit-rl max_staleness=1, a request per rollout",
 }
 TARGETS = {"lit0": 2.0, "lit1": 3.0}  # lit-rl at least this many times faster than TRL
 
@@ -492,7 +498,10 @@ def one_run(args, name: str, prep: dict, settings: dict, workdir: str, tag: str)
     env = child_env(workdir)
     if name.endswith("_spin1s"):
         env["LIT_RL_VLLM_SPIN_S"] = "1"
-    run = run_child(lit_command(args, prep, root, int(name[3])), root + ".log", workdir, args.run_timeout, env)
+    command = lit_command(args, prep, root, int(name[3]))
+    if name.endswith("_nobatch"):
+        command += ["--inference.batch_prompts", "false"]
+    run = run_child(command, root + ".log", workdir, args.run_timeout, env)
     if run["rc"] != 0:
         raise RuntimeError(f"lit-rl run failed (exit {run['rc']}); the end of its log:\n{_tail(root + '.log')}")
     return {**lit_result(args, root), **run}
