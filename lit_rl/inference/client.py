@@ -10,6 +10,7 @@ Token ids are the source of truth for training: prompts go to `/v1/completions` 
 are rendered with the chat template *here* and sent as ids too, and every answer carries the
 ids the server saw and produced (`return_token_ids`). The completion text is for humans and
 reward functions only. Nothing from an answer is executed or unpickled: JSON in, dataclasses out.
+Calls made together with the same settings share one request (`batching.PromptBatcher`).
 
 Weight reloads use vLLM's dev-mode `/collective_rpc reload_weights` (through lit-rl's worker
 extension, which adds the tied-head repair: see `worker_extension.WorkerExtension`), then reset
