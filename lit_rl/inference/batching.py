@@ -88,12 +88,16 @@ class PromptBatcher:
         self._in_flight.add(task)
         task.add_done_callback(self._in_flight.discard)
 
-        def dropped(_: asyncio.Future) -> None:
-            futures = [f for _, f in calls]
-            if all(f.done() for f in futures) and any(f.cancelled() for f in futures) and not task.done():
+        futures = [f for _, f in calls]
+
+        def dropped(future: asyncio.Future) -> None:
+            # a cancelled call is the only way the request can lose its last caller while running
+            # (answers are set all at once, and the task ends with them); checking on every answer
+            # would walk all the calls once per call
+            if future.cancelled() and not task.done() and all(f.done() for f in futures):
                 task.cancel()  # nobody waits for this request any more
 
-        for _, future in calls:
+        for future in futures:
             future.add_done_callback(dropped)
 
     async def _answer(self, calls: list[tuple[list[int], asyncio.Future]], settings: dict) -> None:
