@@ -34,6 +34,13 @@ _WORDS = (
 ).split()
 
 
+def require_checkpoint(parser, flag: str, path: str, demo: str = "run_opd_demo.sh", makes: str = "it") -> None:
+    """Exit through `parser.error` unless `path` is a finished checkpoint (marked STABLE), naming
+    the demo script that makes it."""
+    if not os.path.isfile(os.path.join(path, "STABLE")):
+        parser.error(f"{flag} {path} is not a finished checkpoint; bash examples/reverse_text/{demo} makes {makes}")
+
+
 def _text_pool(seed: int, size: int = 1 << 16) -> str:
     rng = random.Random(seed)
     words, length = [], 0

@@ -89,7 +89,7 @@ import yaml
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
 import trl_grpo  # noqa: E402
-from _common import REPO  # noqa: E402
+from _common import REPO, require_checkpoint  # noqa: E402
 from trl_child import export_and_clock, read_spec, recording, run_child, write_speed  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO, "examples", "reverse_text"))
@@ -186,8 +186,7 @@ def parse_args(argv=None):
         p.error(f"unknown methods {unknown}; known: {list(CONFIGS)}, lit-rl's with +{'/+'.join(MODIFIERS)}, "
                 "trl_grpo with +iterN/+t07/+lrNAME, any with +seedN")
     for what in ("student", "teacher"):
-        if not os.path.isfile(os.path.join(getattr(args, what), "STABLE")):
-            p.error(f"--{what} {getattr(args, what)} is not a finished checkpoint; bash examples/reverse_text/run_opd_demo.sh makes both")
+        require_checkpoint(p, f"--{what}", getattr(args, what), makes="both")
     return args
 
 

@@ -40,6 +40,7 @@ import time
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
+from _common import require_checkpoint  # noqa: E402
 from distillation import HELD_OUT, REPO, score  # noqa: E402
 
 KINDS = ("engine", "api", "server", "hang")
@@ -58,8 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default="runs/faults_bench")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    if not os.path.isfile(os.path.join(args.student, "STABLE")):
-        p.error(f"--student {args.student} is not a finished checkpoint; bash examples/reverse_text/run_grpo_demo.sh makes it")
+    require_checkpoint(p, "--student", args.student, demo="run_grpo_demo.sh")
     return args
 
 

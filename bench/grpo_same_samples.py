@@ -49,7 +49,7 @@ import yaml
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
 import trl_grpo  # noqa: E402
-from _common import REPO  # noqa: E402
+from _common import REPO, require_checkpoint  # noqa: E402
 
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "examples", "reverse_text"))
@@ -266,8 +266,7 @@ def main(argv=None) -> None:
     add_run_arguments(p, "runs/grpo_same_samples")
     args = p.parse_args(argv)
     settings = chosen_settings(p, args.settings, SETTINGS)
-    if not os.path.isfile(os.path.join(args.student, "STABLE")):
-        p.error(f"--student {args.student} is not a finished checkpoint; bash examples/reverse_text/run_opd_demo.sh makes it")
+    require_checkpoint(p, "--student", args.student)
     args.student = os.path.abspath(args.student)
     start = held_out(args.student, args.samples)
     print(f"start: held-out greedy {start['reward']:.3f}, sampled {start['sampled_reward']:.3f}", flush=True)

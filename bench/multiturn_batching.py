@@ -25,7 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import REPO, require_checkpoint  # noqa: E402
+
 sys.path.insert(0, REPO)
 
 
@@ -55,8 +57,7 @@ def main(argv=None) -> dict:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=4)
     args = p.parse_args(argv)
-    if not os.path.isfile(os.path.join(args.student, "STABLE")):
-        p.error(f"--student {args.student} is not a finished checkpoint; bash examples/reverse_text/run_opd_demo.sh makes it")
+    require_checkpoint(p, "--student", args.student)
     from transformers import AutoTokenizer
 
     from examples.tool_use.env import LookupEnv

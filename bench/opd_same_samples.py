@@ -38,7 +38,7 @@ import yaml
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
-from _common import REPO  # noqa: E402
+from _common import REPO, require_checkpoint  # noqa: E402
 from distillation import train_trl  # noqa: E402
 from grpo_same_samples import add_run_arguments, chosen_settings, compare, held_out, recorded_samples, report  # noqa: E402,E501
 
@@ -112,8 +112,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     settings = chosen_settings(p, args.settings, SETTINGS)
     for flag, path in (("--student", args.student), ("--teacher", args.teacher)):
-        if not os.path.isfile(os.path.join(path, "STABLE")):
-            p.error(f"{flag} {path} is not a finished checkpoint; bash examples/reverse_text/run_opd_demo.sh makes it")
+        require_checkpoint(p, flag, path)
     args.student, args.teacher = os.path.abspath(args.student), os.path.abspath(args.teacher)
     start = held_out(args.student, args.samples)
     print(f"start: held-out greedy {start['reward']:.3f}, sampled {start['sampled_reward']:.3f}", flush=True)

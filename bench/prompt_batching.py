@@ -34,6 +34,7 @@ from pathlib import Path
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
+from _common import require_checkpoint  # noqa: E402
 from sampler_vs_generate import TRAIN, prompt_ids  # noqa: E402
 from trl_grpo import drawn_prompts  # noqa: E402
 
@@ -76,8 +77,7 @@ def main(argv=None) -> dict:
             import httpx_aiohttp  # noqa: F401
         except ImportError:
             p.error("per_call_aiohttp needs httpx-aiohttp: .venv/bin/pip install httpx-aiohttp")
-    if not os.path.isfile(os.path.join(args.student, "STABLE")):
-        p.error(f"--student {args.student} is not a finished checkpoint; bash examples/reverse_text/run_opd_demo.sh makes it")
+    require_checkpoint(p, "--student", args.student)
     from transformers import AutoTokenizer
 
     from lit_rl.inference.server import VLLMServer

@@ -38,7 +38,7 @@ from pathlib import Path
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
-from _common import REPO  # noqa: E402
+from _common import REPO, require_checkpoint  # noqa: E402
 from trl_grpo import drawn_prompts  # noqa: E402
 
 TRAIN = os.path.join(REPO, "examples", "reverse_text", "data", "train.jsonl")
@@ -157,8 +157,7 @@ def main(argv=None) -> dict:
     p.add_argument("--reload-from", default=None,
                    help="start the server on these weights, then reload it to --student's (a training run's sync)")
     args = p.parse_args(argv)
-    if not os.path.isfile(os.path.join(args.student, "STABLE")):
-        p.error(f"--student {args.student} is not a finished checkpoint; bash examples/reverse_text/run_opd_demo.sh makes it")
+    require_checkpoint(p, "--student", args.student)
     import torch
     from transformers import AutoTokenizer
 
