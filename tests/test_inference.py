@@ -16,6 +16,7 @@ import functools
 import inspect
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import textwrap
@@ -301,6 +302,28 @@ def test_hundreds_of_requests_in_flight_without_threads(vllm_server):
     outs, peak = run(go())
     assert len(outs) == 400 and all(len(o[0].completion_ids) == 4 for o in outs)
     assert peak <= before + 8  # asyncio, not a thread per request
+
+
+def test_clients_share_one_tls_context_and_each_still_answers(vllm_server, monkeypatch):
+    """A weight sync makes a client each step: building a TLS context (the CA bundle loaded) for
+    each cost ~25 ms of CPU on the step's critical path. One context per process, made once."""
+    from lit_rl.inference import client as client_module
+
+    made = []
+    original = ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: made.append(1) or original(*a, **k))
+    monkeypatch.setattr(client_module, "tls_context", functools.cache(client_module.tls_context.__wrapped__))
+
+    async def go():
+        answers = []
+        for _ in range(3):
+            async with vllm_server.client() as client:
+                answers.append(await client.generate(PROMPTS[0], max_tokens=2, ignore_eos=True))
+        return answers
+
+    answers = run(go())
+    assert [len(a[0].completion_ids) for a in answers] == [2, 2, 2]
+    assert len(made) == 1, f"{len(made)} TLS contexts built for 3 clients"
 
 
 def test_an_idle_server_leaves_the_cpu_alone(vllm_server):

@@ -23,14 +23,17 @@ are sent; the path is resolved (symlinks followed) before the check.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
+import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 
 from lit_rl.inference.batching import PromptBatcher
@@ -108,6 +111,15 @@ def ties_output_head(weights: Path) -> bool:
     return bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", True)))
 
 
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """The TLS context every client of this process shares: httpx's default (certifi's CAs,
+    SSL_CERT_FILE / SSL_CERT_DIR honoured), built once. Why: building one loads the CA bundle,
+    about 25 ms of CPU, and httpx builds it for every client even for a plain-http server; the
+    trainer makes a client for each weight sync, on the step's critical path."""
+    return httpx.create_ssl_context()
+
+
 class InferenceClient:
     def __init__(
         self,
@@ -146,6 +158,7 @@ class InferenceClient:
         self.openai = openai.AsyncOpenAI(
             base_url=self.base_url, api_key=api_key or "EMPTY", max_retries=max_retries,
             timeout=openai.Timeout(timeout, connect=connect_timeout),
+            http_client=openai.DefaultAsyncHttpxClient(verify=tls_context()),
         )
         self._root = self.openai.with_options(base_url=self.root_url)  # same pool, for non-/v1 routes
         self._served_root: str | None = None
