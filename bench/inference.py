@@ -6,8 +6,11 @@
    `logprobs=0`, `return_token_ids`, `ignore_eos`, temperature 1), on the same vLLM server, same
    prompts (chats rendered with the tiny model's template), same concurrency. Contenders run
    alternately for `--rounds` rounds after a warm-up; medians are reported. Target: lit-rl >= 0.95x.
-2. Reload latency (medians): `InferenceClient.reload_weights` (vLLM reload from disk + lit-rl's
-   tied-head repair, prefix-cache reset, version update: three HTTP round trips), vLLM's stock
+2. Reload latency (medians): `InferenceClient.reload_weights` (generation paused, vLLM reload from
+   disk + lit-rl's tied-head repair, prefix-cache reset, generation resumed, version update: five
+   HTTP round trips, each also timed), the same through a client made for each reload (as a
+   training run's weight sync does), alternately with the process's shared TLS context and with
+   one built for the client (as every client did before 9609e20), vLLM's stock
    `/collective_rpc reload_weights` alone, and `safetensors.torch.load(path.read_bytes())` of the same files
    (page cache warm in all), alternating between two step directories, for the demo model and a
    larger random Qwen3 (`--big-*`).
@@ -126,16 +129,45 @@ async def reload_latency(server, steps: list[Path], n: int) -> dict:
 
     async with server.client() as client:
         await client.reload_weights(steps[1])  # warm-up
+        calls: dict[str, list[float]] = {}  # the reload's HTTP calls, each timed
+        call = client._call
+
+        async def timed(what, request):
+            started = time.perf_counter()
+            try:
+                return await call(what, request)
+            finally:
+                calls.setdefault(what, []).append(time.perf_counter() - started)
+
+        client._call = timed
         times, stock = [], []
         for i in range(n):
             t = time.perf_counter()
             await client.reload_weights(steps[i % 2])
             times.append(time.perf_counter() - t)
+        client._call = call
         for i in range(n):  # vLLM's own reload alone: one /collective_rpc, nothing else
             t = time.perf_counter()
             await client._root.post("/collective_rpc", cast_to=object,
                                     body={"method": "reload_weights", "kwargs": {"weights_path": str(steps[i % 2])}})
             stock.append(time.perf_counter() - t)
+    import httpx
+
+    from lit_rl.inference import client as client_module
+
+    fresh, own_tls = [], []
+    shared = client_module.tls_context
+    for i in range(2 * n):  # as a training run's sync does it: a client made for each reload,
+        times_of = fresh if i % 2 == 0 else own_tls  # alternately with its own TLS context (before 9609e20)
+        client_module.tls_context = shared if i % 2 == 0 else httpx.create_ssl_context
+        try:
+            t = time.perf_counter()
+            async with server.client() as client:
+                await client.reload_weights(steps[(i // 2) % 2])
+            times_of.append(time.perf_counter() - t)
+        finally:
+            client_module.tls_context = shared
+    async with server.client() as client:
         await client.reload_weights(steps[0])
     reads = []
     for i in range(n):
@@ -144,9 +176,12 @@ async def reload_latency(server, steps: list[Path], n: int) -> dict:
             load(f.read_bytes())  # every byte read and copied into tensors (load_file would only mmap)
         reads.append(time.perf_counter() - t)
     size = sum(f.stat().st_size for f in steps[0].glob("*.safetensors"))
-    return {"bytes": size, "reload_s": times, "stock_reload_s": stock, "read_s": reads,
-            "median_reload_s": statistics.median(times), "median_stock_reload_s": statistics.median(stock),
-            "median_read_s": statistics.median(reads)}
+    return {"bytes": size, "reload_s": times, "stock_reload_s": stock, "read_s": reads, "fresh_client_reload_s": fresh,
+            "own_tls_reload_s": own_tls, "median_own_tls_reload_s": statistics.median(own_tls),
+            "calls_s": calls, "median_reload_s": statistics.median(times),
+            "median_stock_reload_s": statistics.median(stock), "median_read_s": statistics.median(reads),
+            "median_fresh_client_reload_s": statistics.median(fresh),
+            "median_calls_s": {what: statistics.median(v) for what, v in calls.items()}}
 
 
 def serve(model_dir: Path, root: Path, args):
@@ -192,13 +227,19 @@ def report(out: dict) -> None:
     for name, v in t["median"].items():
         print(f"| {name} | {v:.0f} |")
     print(f"\nlit-rl / raw openai = {t['ratio']:.3f}\n")
-    print("| model | safetensors | lit-rl reload_weights | vLLM reload_weights alone | safetensors read |\n|---|---|---|---|---|")
+    print("| model | safetensors | lit-rl reload_weights | the same, a client made for it | ... with its own TLS context "
+          "(before 9609e20) | vLLM reload_weights alone | safetensors read |\n|---|---|---|---|---|---|---|")
     for key in ("reload_demo", "reload_big"):
         if key in out:
             r = out[key]
             print(f"| {key.split('_')[1]} | {r['bytes'] / 1e6:.1f} MB | {r['median_reload_s'] * 1e3:.0f} ms | "
-                  f"{r['median_stock_reload_s'] * 1e3:.0f} ms | {r['median_read_s'] * 1e3:.0f} ms |")
-
+                  f"{r['median_fresh_client_reload_s'] * 1e3:.0f} ms | {r['median_own_tls_reload_s'] * 1e3:.0f} ms | "
+                  f"{r['median_stock_reload_s'] * 1e3:.0f} ms | "
+                  f"{r['median_read_s'] * 1e3:.0f} ms |")
+    for key in ("reload_demo", "reload_big"):
+        if key in out:
+            calls = ", ".join(f"{what} {s * 1e3:.1f} ms" for what, s in out[key]["median_calls_s"].items())
+            print(f"\n{key.split('_')[1]}: lit-rl reload_weights's HTTP calls (medians): {calls}")
 
 if __name__ == "__main__":
     sys.exit(main() and 0)
