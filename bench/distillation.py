@@ -47,7 +47,9 @@ after it `r4` / `r64` set the rank (alpha twice the rank: the same alpha / rank 
 `alpha64` / `alpha128` the alpha (scale 4 / 8 at rank 16),
 `cos` decays the lr by a cosine to 0.1x over the run, `wcos` warms it up over 4 steps first. Any lit-rl
 method may carry `nobatch`: one request to the server per rollout (`--inference.batch_prompts false`,
-as lit-rl sent them before 2026-12-06) instead of one for the rollouts that start together. Any method, `trl`
+as lit-rl sent them before 2026-12-06) instead of one for the rollouts that start together. A method whose
+teacher is a server (`opd`, `opd_sampled`, `opd_topk_*`) may carry `keeptok`: that server keeps its tokenizer
+(`--no-skip-tokenizer-init`, as lit-rl started it before 2026-12-07). Any method, `trl`
 too, may carry `seedN` (`trl+seed1`): the run's seed (default: opd.yaml's `seed_everything`), to
 see how far two runs of one setting differ. For lit-rl it is `seed_everything`, which since
 2026-12-06 also sets the task order and the policy server's sampler seed (lit_rl/run_seed.py);
@@ -99,6 +101,8 @@ from lit_rl.commands import report  # noqa: E402
 from lit_rl.eval.logging import EvalLogger  # noqa: E402
 
 OPD = "examples/reverse_text/opd.yaml"
+with open(os.path.join(REPO, OPD)) as _f:
+    TEACHER_SERVER = yaml.safe_load(_f)["inference"]["teacher_server"]  # opd.yaml's teacher server options
 CONFIGS = {
     "opd": (OPD, "OPD as in opd.yaml"),
     "grpo": ("examples/reverse_text/grpo.yaml", "GRPO (reward only)"),
@@ -129,6 +133,7 @@ MODIFIERS = {"group1": ["--data.init_args.group_size", "1"], "fresh": ["--data.i
              **{f"r{r}": ["--model.init_args.lora.rank", str(r), "--model.init_args.lora.alpha", str(2 * r)] for r in (4, 64)},
              **{f"alpha{a}": ["--model.init_args.lora.alpha", str(a)] for a in (64, 128)},
              "nobatch": ["--inference.batch_prompts", "false"],
+             "keeptok": ["--inference.teacher_server", json.dumps({**TEACHER_SERVER, "extra_args": ["--no-skip-tokenizer-init"]})],
              "clip1": ["--model.init_args.advantage_clip", "1.0"], "noclip": ["--model.init_args.advantage_clip", "null"],
              "warmup10": ["--model.init_args.lr_scheduler", json.dumps({"class_path": "lit_rl.optim.LRSchedule", "init_args": {
                  "name": "constant_with_warmup", "warmup_steps": 10}})],

@@ -222,6 +222,8 @@ def test_sigterm_to_the_whole_opd_job_saves_and_resumes(vllm_server, data, tmp_p
         os.killpg(pgid, signal.SIGKILL)
     log = root / "vllm_teacher.log"  # one "Application startup complete" per start
     wait_for(proc, lambda: log.read_text().count("Application startup complete") >= 2, "the teacher's restart", poll=0.5)
+    # it only scores: served without a tokenizer (runtime.scoring_only), at the start and the restart
+    assert "skip_tokenizer_init=True" in log.read_text() and "skip_tokenizer_init=False" not in log.read_text()
     time.sleep(2.0 + delay)  # the runtime sees it healthy within 0.5 s; the run goes on
     teachers = groups_of(teacher) - {proc.pid}
     err, took = stop_and_wait(proc, [proc.pid, *teachers], signal.SIGTERM)

@@ -67,6 +67,25 @@ def test_a_teacher_must_share_the_students_tokenizer(tmp_path):
     assert "chat template" in tokenizer_mismatch(TOK, template)
 
 
+def test_a_teacher_that_only_scores_is_served_without_a_tokenizer_and_one_that_samples_keeps_it(tmp_path):
+    """OPD's teacher only scores the policy's ids: its server skips the tokenizer, so vLLM does not
+    turn the top-k tokens at every position into text nobody reads (docs/benchmarks.md, "A teacher
+    that only scores"). A teacher whose completions are the data keeps it (stop strings, text), and
+    a user's `--no-skip-tokenizer-init` is kept. (The server started so: tests/test_graceful_stop.py.)"""
+    from lit_rl.inference.runtime import InferenceRuntime
+
+    def extra_args(runtime, policy):
+        runtime.use(policy=policy, teacher=True, tokenizer=TINY_MODEL, teacher_top_k=8 if policy else 0)
+        return runtime.teacher_server_options(tmp_path, 0).get("extra_args", [])
+
+    runtime = InferenceRuntime(teacher_model=TINY_MODEL, teacher_server={"dtype": "float32"})
+    assert "--skip-tokenizer-init" in extra_args(runtime, policy=True)  # OPD: the policy samples
+    assert "--skip-tokenizer-init" not in extra_args(runtime, policy=False)  # SFT on the teacher's completions
+    kept = InferenceRuntime(teacher_model=TINY_MODEL, teacher_server={"extra_args": ["--no-skip-tokenizer-init"]})
+    assert "--skip-tokenizer-init" not in extra_args(kept, policy=True)
+    assert "--no-skip-tokenizer-init" in extra_args(kept, policy=True)
+
+
 def opd_args(root, data, model, steps, *extra):
     return ["fit", "--config", CONFIG, "--model.init_args.model", model,
             "--data.init_args.env.init_args.path", data,

@@ -84,6 +84,23 @@ def with_max_logprobs(options: dict, top_k: int) -> dict:
     return {**options, "extra_args": [*extra, "--max-logprobs", str(top_k)]}
 
 
+SKIP_TOKENIZER = "--skip-tokenizer-init"
+
+
+def scoring_only(options: dict) -> dict:
+    """Server options for a teacher that only scores the policy's samples (OPD): vLLM's
+    `--skip-tokenizer-init`, unless the options already say (`--no-skip-tokenizer-init` keeps it).
+    Why: scoring sends token ids and reads logprobs, and without the flag vLLM's API server turns
+    every one of the top-k tokens at every position into text for an answer nobody reads; that
+    decoding, not the prefill, was most of a scoring request (docs/benchmarks.md, "A teacher that
+    only scores"). A teacher that samples (SFT on its completions) keeps its tokenizer: stop
+    strings and the completion's text need it."""
+    extra = list(options.get("extra_args", ()))
+    if any(a.split("=")[0] in (SKIP_TOKENIZER, "--no-skip-tokenizer-init") for a in extra):
+        return options
+    return {**options, "extra_args": [*extra, SKIP_TOKENIZER]}
+
+
 class InferenceRuntime(L.Callback):
     def __init__(
         self,
@@ -292,15 +309,13 @@ class InferenceRuntime(L.Callback):
     def _open_teacher(self, root: Path, tokenizer, step: int) -> None:
         """The teacher's endpoint: its managed server started (`--max-logprobs` raised to the
         divergence's top k; seeded as the policy's, for the completions it samples when it is the
-        data's source), or an existing server checked (tokenizer, top k) before any other server
-        starts."""
+        data's source; without a tokenizer when it only scores, `scoring_only`), or an existing
+        server checked (tokenizer, top k) before any other server starts."""
         from lit_rl.rollouts.teacher import tokenizer_mismatch
 
         options = {}
         if self.teacher_base_url is None:
-            options = {"log_path": root / "vllm_teacher.log", "dev_mode": False, "stop_on_sigterm": False,
-                       **self.teacher_server}
-            options = with_sampler_seed(with_max_logprobs(options, self.teacher_top_k), run_seed() + step)
+            options = self.teacher_server_options(root, step)
             rank_zero_info(f"InferenceRuntime: starting the teacher's vLLM on {self.teacher_model} "
                            f"(log: {options['log_path']})")
         self.endpoints["teacher"] = open_endpoint(base_url=self.teacher_base_url, model=self.teacher_model,
@@ -309,6 +324,13 @@ class InferenceRuntime(L.Callback):
             self._check_teacher(tokenizer_mismatch(tokenizer, asyncio.run(self._served_tokenizer("teacher"))))
         if self.teacher_base_url and self.teacher_top_k > VLLM_DEFAULT_MAX_LOGPROBS:
             self._check_teacher(asyncio.run(self._top_k_refusal()))
+
+    def teacher_server_options(self, root: Path, step: int) -> dict:
+        """The options of the teacher's managed server in a run in `root` starting at `step`."""
+        options = {"log_path": root / "vllm_teacher.log", "dev_mode": False, "stop_on_sigterm": False,
+                   **self.teacher_server}
+        options = with_sampler_seed(with_max_logprobs(options, self.teacher_top_k), run_seed() + step)
+        return scoring_only(options) if self.serves_policy else options  # the policy samples: the teacher scores
 
     def _check_teacher(self, problem: str | None) -> None:
         if problem:
