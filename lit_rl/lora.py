@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from lit_rl.errors import ConfigError
+from lit_rl.server_options import with_server_args
 
 PEFT_PREFIX = "base_model.model."  # what PeftModel.save_pretrained puts before every key
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -89,10 +90,8 @@ def server_max_rank(rank: int) -> int:
 def lora_server_options(options: dict, rank: int) -> dict:
     """`VLLMServer` options with vLLM's LoRA support: adapters up to `rank`, one at a time,
     loadable at run time (`/v1/load_lora_adapter`: the policy's sync, the evaluator's steps)."""
-    extra = [*options.get("extra_args", ()), "--enable-lora", "--max-lora-rank", str(server_max_rank(rank)),
-             "--max-loras", "1"]
-    env = {**options.get("env", {}), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-    return {**options, "extra_args": extra, "env": env}
+    options = with_server_args(options, ["--enable-lora", "--max-lora-rank", str(server_max_rank(rank)), "--max-loras", "1"])
+    return {**options, "env": {**options.get("env", {}), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}}
 
 
 def adapter_base(adapter: str | Path) -> tuple[str, int]:

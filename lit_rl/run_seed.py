@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 
+from lit_rl.server_options import with_server_args
+
 SEED_VARIABLE = "PL_GLOBAL_SEED"  # lightning.fabric.utilities.seed
 
 
@@ -30,10 +32,7 @@ def run_seed() -> int:
 
 def with_sampler_seed(options: dict, seed: int) -> dict:
     """vLLM server options whose sampler is seeded `seed`, unless their `extra_args` set `--seed`."""
-    extra = list(options.get("extra_args", ()))
-    if any(a.split("=")[0] == "--seed" for a in extra):
-        return options
-    return {**options, "extra_args": [*extra, "--seed", str(seed)]}
+    return with_server_args(options, ["--seed", str(seed)], unless=["--seed"])
 
 
 def order_seed(explicit: int | None, saved: int | None, *, flag: str, announce: bool = True) -> int:

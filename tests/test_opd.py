@@ -72,7 +72,8 @@ def test_a_teacher_that_only_scores_is_served_without_a_tokenizer_and_one_that_s
     turn the top-k tokens at every position into text nobody reads (docs/benchmarks.md, "A teacher
     that only scores"). A teacher whose completions are the data keeps it (stop strings, text), and
     a user's `--no-skip-tokenizer-init` is kept. (The server started so: tests/test_graceful_stop.py.)"""
-    from lit_rl.inference.runtime import InferenceRuntime
+    from lit_rl.inference.runtime import InferenceRuntime, scoring_only
+    from lit_rl.run_seed import with_sampler_seed
 
     def extra_args(runtime, policy):
         runtime.use(policy=policy, teacher=True, tokenizer=TINY_MODEL, teacher_top_k=8 if policy else 0)
@@ -84,6 +85,8 @@ def test_a_teacher_that_only_scores_is_served_without_a_tokenizer_and_one_that_s
     kept = InferenceRuntime(teacher_model=TINY_MODEL, teacher_server={"extra_args": ["--no-skip-tokenizer-init"]})
     assert "--skip-tokenizer-init" not in extra_args(kept, policy=True)
     assert "--no-skip-tokenizer-init" in extra_args(kept, policy=True)
+    # extra_args given as one string: refused by name (below), never split into characters
+    assert scoring_only(with_sampler_seed({"extra_args": "--max-num-seqs 8"}, 0)) == {"extra_args": "--max-num-seqs 8"}
 
 
 def opd_args(root, data, model, steps, *extra):
@@ -124,7 +127,10 @@ def test_bad_distillation_options_and_two_teachers_are_refused_before_any_server
     code, _, stderr = lit_rl_main(opd_args(tmp_path / "d", data, TINY_MODEL, 2, *student, "--model.init_args.teacher_model",
                                            str(other), "--inference.teacher_model", "null", "--inference.teacher_server", "{}"))
     assert code == 1 and f"OPD: model.teacher_model {other} has another vocabulary" in stderr, stderr
-    for run in "abcd":
+    code, _, stderr = lit_rl_main(opd_args(tmp_path / "e", data, TINY_MODEL, 2, *student, "--inference.teacher_server",
+                                           '{"dtype": "float32", "extra_args": "--max-num-seqs 8"}'))
+    assert code == 1 and "inference.teacher_server.extra_args must be a list of vLLM arguments" in stderr, stderr
+    for run in "abcde":
         assert not (tmp_path / run / "vllm.log").exists() and not (tmp_path / run / "vllm_teacher.log").exists()
 
 

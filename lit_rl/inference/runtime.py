@@ -67,6 +67,7 @@ from lit_rl.inference.server import StartInterrupted
 from lit_rl.lora import lora_server_options
 from lit_rl.run_dir import base_dir, lease
 from lit_rl.run_seed import run_seed, with_sampler_seed
+from lit_rl.server_options import with_server_args
 
 ROLES = ("policy", "teacher")
 ADAPTER_NAME = "lit-rl-policy"  # the policy's LoRA adapter, as rollouts ask for it from the server
@@ -78,10 +79,9 @@ VLLM_DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs unless told (checked on 
 def with_max_logprobs(options: dict, top_k: int) -> dict:
     """Server options that let a teacher return `top_k` tokens per position: `--max-logprobs` raised
     to it when above vLLM's default, unless the options already set it."""
-    extra = list(options.get("extra_args", ()))
-    if top_k <= VLLM_DEFAULT_MAX_LOGPROBS or any(a.split("=")[0] == "--max-logprobs" for a in extra):
+    if top_k <= VLLM_DEFAULT_MAX_LOGPROBS:
         return options
-    return {**options, "extra_args": [*extra, "--max-logprobs", str(top_k)]}
+    return with_server_args(options, ["--max-logprobs", str(top_k)], unless=["--max-logprobs"])
 
 
 SKIP_TOKENIZER = "--skip-tokenizer-init"
@@ -95,10 +95,7 @@ def scoring_only(options: dict) -> dict:
     decoding, not the prefill, was most of a scoring request (docs/benchmarks.md, "A teacher that
     only scores"). A teacher that samples (SFT on its completions) keeps its tokenizer: stop
     strings and the completion's text need it."""
-    extra = list(options.get("extra_args", ()))
-    if any(a.split("=")[0] in (SKIP_TOKENIZER, "--no-skip-tokenizer-init") for a in extra):
-        return options
-    return {**options, "extra_args": [*extra, SKIP_TOKENIZER]}
+    return with_server_args(options, [SKIP_TOKENIZER], unless=[SKIP_TOKENIZER, "--no-skip-tokenizer-init"])
 
 
 class InferenceRuntime(L.Callback):
@@ -204,6 +201,10 @@ class InferenceRuntime(L.Callback):
         if self.health_check_interval is not None and self.health_check_interval < 0:
             problems.append(f"inference.health_check_interval must be >= 0 seconds (0: no watchdog), got "
                             f"{self.health_check_interval!r}")
+        for name, options in (("server", self.server), ("teacher_server", self.teacher_server)):
+            if isinstance(options.get("extra_args"), str):  # split into characters it is no vLLM argument
+                problems.append(f"inference.{name}.extra_args must be a list of vLLM arguments (e.g. "
+                                f"[\"--max-num-seqs\", \"8\"]), got the string {options['extra_args']!r}")
         if self.teacher_server and not self.teacher_model:
             problems.append("inference.teacher_server options need inference.teacher_model (the model to start a "
                             "server for)")
