@@ -1,10 +1,10 @@
 """Adding vLLM arguments to the options of a server lit-rl starts (`VLLMServer` keyword arguments).
 
 Several parts of a run each add their own (the sampler's seed, LoRA support, the teacher's top k
-and tokenizer); this is how each adds them, so that one rule holds everywhere: an argument the
-user's `extra_args` already names is the user's to set, and `extra_args` given as one string is
-passed on untouched, for `VLLMServer` to refuse by name (split into characters, it would become
-an unreadable vLLM error).
+and tokenizer), all in the same way: each names the flags that, when the user's `extra_args`
+already has one, leave the setting to the user; and `extra_args` given as one string is passed on
+untouched, for `VLLMServer` to refuse by name (split into characters, as each adder used to, it
+became an unreadable vLLM error).
 """
 
 from __future__ import annotations
