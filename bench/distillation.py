@@ -49,7 +49,8 @@ after it `r4` / `r64` set the rank (alpha twice the rank: the same alpha / rank 
 method may carry `nobatch`: one request to the server per rollout (`--inference.batch_prompts false`,
 as lit-rl sent them before 2026-12-06) instead of one for the rollouts that start together. A method whose
 teacher is a server (`opd`, `opd_sampled`, `opd_topk_*`) may carry `keeptok`: that server keeps its tokenizer
-(`--no-skip-tokenizer-init`, as lit-rl started it before 2026-12-07). Any method, `trl`
+(`--no-skip-tokenizer-init`, as lit-rl started it before 2026-12-07). `omp2` gives the policy's server
+two OpenMP threads (`VLLM_CPU_OMP_THREADS_BIND=0-1`; lit-rl's default on a CPU: the cores but one). Any method, `trl`
 too, may carry `seedN` (`trl+seed1`): the run's seed (default: opd.yaml's `seed_everything`), to
 see how far two runs of one setting differ. For lit-rl it is `seed_everything`, which since
 2026-12-06 also sets the task order and the policy server's sampler seed (lit_rl/run_seed.py);
@@ -102,7 +103,8 @@ from lit_rl.eval.logging import EvalLogger  # noqa: E402
 
 OPD = "examples/reverse_text/opd.yaml"
 with open(os.path.join(REPO, OPD)) as _f:
-    TEACHER_SERVER = yaml.safe_load(_f)["inference"]["teacher_server"]  # opd.yaml's teacher server options
+    _INFERENCE = yaml.safe_load(_f)["inference"]
+TEACHER_SERVER, SERVER = _INFERENCE["teacher_server"], _INFERENCE["server"]  # opd.yaml's server options
 CONFIGS = {
     "opd": (OPD, "OPD as in opd.yaml"),
     "grpo": ("examples/reverse_text/grpo.yaml", "GRPO (reward only)"),
@@ -133,6 +135,7 @@ MODIFIERS = {"group1": ["--data.init_args.group_size", "1"], "fresh": ["--data.i
              **{f"r{r}": ["--model.init_args.lora.rank", str(r), "--model.init_args.lora.alpha", str(2 * r)] for r in (4, 64)},
              **{f"alpha{a}": ["--model.init_args.lora.alpha", str(a)] for a in (64, 128)},
              "nobatch": ["--inference.batch_prompts", "false"],
+             "omp2": ["--inference.server", json.dumps({**SERVER, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}})],
              "keeptok": ["--inference.teacher_server", json.dumps({**TEACHER_SERVER, "extra_args": ["--no-skip-tokenizer-init"]})],
              "clip1": ["--model.init_args.advantage_clip", "1.0"], "noclip": ["--model.init_args.advantage_clip", "null"],
              "warmup10": ["--model.init_args.lr_scheduler", json.dumps({"class_path": "lit_rl.optim.LRSchedule", "init_args": {
