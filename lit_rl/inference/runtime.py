@@ -93,8 +93,8 @@ def scoring_only(options: dict) -> dict:
     Why: scoring sends token ids and reads logprobs, and without the flag vLLM's API server turns
     every one of the top-k tokens at every position into text for an answer nobody reads; that
     decoding, not the prefill, was most of a scoring request (docs/benchmarks.md, "A teacher that
-    only scores"). A teacher that samples (SFT on its completions) keeps its tokenizer: stop
-    strings and the completion's text need it."""
+    only scores"). A teacher that samples (SFT on its completions) keeps its tokenizer: vLLM's
+    completions refuse to generate without one (checked on 0.32)."""
     return with_server_args(options, [SKIP_TOKENIZER], unless=[SKIP_TOKENIZER, "--no-skip-tokenizer-init"])
 
 
