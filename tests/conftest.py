@@ -59,6 +59,14 @@ def pytest_xdist_make_scheduler(config, log):
     return OneWorkerFiles(config, log)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Tests clean up after themselves, failed ones too: the output files of `lit-rl` runs that a
+    failing test left unread (tests/forked_cli.py) go with the session (each xdist worker's own)."""
+    forked = sys.modules.get("forked_cli")
+    if forked is not None:
+        forked.remove_leftover_outputs()
+
+
 @contextlib.contextmanager
 def log_handlers_writing_to(stream):
     """Lightning's, torch's and transformers' log handlers keep the stream that was sys.stderr when

@@ -94,6 +94,21 @@ def _cli_main(args, env, cwd, out_path, err_path, new_session, interpreter_path)
     sys.exit(code)
 
 
+#: the output files of the runs this process started that nobody has read yet (a test that failed
+#: while its run was going leaves them): `remove_leftover_outputs` at the end of the session
+_UNREAD: set[str] = set()
+
+
+def remove_leftover_outputs() -> None:
+    """Remove the output files of runs whose output was never read (conftest's session end)."""
+    for path in list(_UNREAD):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        _UNREAD.discard(path)
+
+
 class ForkedCLI:
     """A running `lit-rl` with the part of subprocess.Popen's interface the tests use (text mode)."""
 
@@ -104,6 +119,7 @@ class ForkedCLI:
             fd, path = tempfile.mkstemp(prefix="lit-rl-test-", suffix=suffix)
             os.close(fd)
             self._paths.append(path)
+            _UNREAD.add(path)
         self._process = _context().Process(
             target=_cli_main, args=(self.args, dict(env), str(cwd), *self._paths, new_session,
                                     _interpreter_path()))
@@ -112,6 +128,7 @@ class ForkedCLI:
         except BaseException:
             for path in self._paths:
                 os.unlink(path)
+                _UNREAD.discard(path)
             raise
         self.pid = self._process.pid
         self.returncode: int | None = None
@@ -125,6 +142,7 @@ class ForkedCLI:
                 with open(path) as read:
                     self._output.append(read.read())
                 os.unlink(path)
+                _UNREAD.discard(path)
             self.returncode = self._process.exitcode
         return self.returncode
 
