@@ -63,7 +63,7 @@ from lit_rl.inference.client import AdapterRefused, InferenceServerError
 from lit_rl.inference.endpoint import Endpoint, open_endpoint
 from lit_rl.inference.evaluator_process import EvaluatorProcess
 from lit_rl.inference.restarts import ServerGone, ServerRestarts
-from lit_rl.inference.server import StartInterrupted
+from lit_rl.inference.server import StartInterrupted, extra_args_problem
 from lit_rl.lora import lora_server_options
 from lit_rl.run_dir import base_dir, lease
 from lit_rl.run_seed import run_seed, with_sampler_seed
@@ -202,9 +202,8 @@ class InferenceRuntime(L.Callback):
             problems.append(f"inference.health_check_interval must be >= 0 seconds (0: no watchdog), got "
                             f"{self.health_check_interval!r}")
         for name, options in (("server", self.server), ("teacher_server", self.teacher_server)):
-            if isinstance(options.get("extra_args"), str):  # split into characters it is no vLLM argument
-                problems.append(f"inference.{name}.extra_args must be a list of vLLM arguments (e.g. "
-                                f"[\"--max-num-seqs\", \"8\"]), got the string {options['extra_args']!r}")
+            if problem := extra_args_problem(options.get("extra_args", ())):  # the server's check, before any starts
+                problems.append(f"inference.{name}.{problem}")
         if self.teacher_server and not self.teacher_model:
             problems.append("inference.teacher_server options need inference.teacher_model (the model to start a "
                             "server for)")

@@ -55,6 +55,14 @@ from lit_rl.model_names import resolve_model_name
 log = logging.getLogger(__name__)
 
 
+def extra_args_problem(extra_args) -> str | None:
+    """What is wrong with a server's `extra_args`: given as one string, split into characters it
+    is no vLLM argument. None when nothing is."""
+    if isinstance(extra_args, str):
+        return f"extra_args must be a list of vLLM arguments (e.g. [\"--max-num-seqs\", \"8\"]), got the string {extra_args!r}"
+    return None
+
+
 class ServerStartError(RuntimeError):
     """The vLLM server exited or did not become healthy during start-up; the message quotes its log."""
 
@@ -252,8 +260,8 @@ class VLLMServer:
             )
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
             problems.append(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        if isinstance(extra_args, str):
-            problems.append(f"extra_args must be a list of arguments, got the string {extra_args!r}")
+        if problem := extra_args_problem(extra_args):
+            problems.append(problem)
         if spin_wait_s is not None and spin_wait_s < 0:
             problems.append(f"spin_wait_s must be >= 0, got {spin_wait_s}")
         if problems:
