@@ -34,6 +34,12 @@ _WORDS = (
 ).split()
 
 
+#: the checkpoints `bash examples/reverse_text/run_opd_demo.sh` makes, the benches' defaults: the SFT
+#: demo stopped at step 40 (the weak student) and the whole SFT demo (the teacher)
+STUDENT = "runs/reverse_text_sft_short/weights/step_40"
+TEACHER = "runs/reverse_text_sft/weights/step_300"
+
+
 def require_checkpoint(parser, flag: str, path: str, demo: str = "run_opd_demo.sh", makes: str = "it") -> None:
     """Exit through `parser.error` unless `path` is a finished checkpoint (marked STABLE), naming
     the demo script that makes it."""

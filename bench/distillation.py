@@ -92,7 +92,7 @@ import yaml
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
 import trl_grpo  # noqa: E402
-from _common import REPO, require_checkpoint  # noqa: E402
+from _common import REPO, STUDENT, TEACHER, require_checkpoint  # noqa: E402
 from trl_child import export_and_clock, read_spec, recording, run_child, write_speed  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO, "examples", "reverse_text"))
@@ -165,8 +165,8 @@ HELD_OUT = os.path.join(REPO, "examples", "reverse_text", "data", "test.jsonl")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", default="opd,grpo,sft_teacher", help=f"comma separated, of {list(CONFIGS)}")
-    p.add_argument("--student", default="runs/reverse_text_sft_short/weights/step_40")
-    p.add_argument("--teacher", default="runs/reverse_text_sft/weights/step_300")
+    p.add_argument("--student", default=STUDENT)
+    p.add_argument("--teacher", default=TEACHER)
     p.add_argument("--minutes", type=float, default=4.0, help="wall-clock budget of each run (Lightning max_time)")
     p.add_argument("--steps", type=int, default=None, help="a budget of optimizer steps instead of --minutes")
     p.add_argument("--score-only", action="store_true",

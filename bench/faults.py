@@ -40,7 +40,7 @@ import time
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
-from _common import require_checkpoint  # noqa: E402
+from _common import STUDENT, require_checkpoint  # noqa: E402
 from distillation import HELD_OUT, REPO, score  # noqa: E402
 
 KINDS = ("engine", "api", "server", "hang")
@@ -49,7 +49,7 @@ SYNC_REQUESTS = ("pause", "reload_weights", "reset_prefix_cache", "resume", "upd
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--student", default="runs/reverse_text_sft_short/weights/step_40")
+    p.add_argument("--student", default=STUDENT)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--kills", type=int, default=4)
     p.add_argument("--max-staleness", type=int, default=0,

@@ -49,7 +49,7 @@ import yaml
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
 import trl_grpo  # noqa: E402
-from _common import REPO, require_checkpoint  # noqa: E402
+from _common import REPO, STUDENT, require_checkpoint  # noqa: E402
 
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "examples", "reverse_text"))
@@ -207,7 +207,7 @@ def report(rows: list[dict], start: dict, json_path: str | None) -> None:
 
 def add_run_arguments(p: argparse.ArgumentParser, out: str) -> None:
     """The student, the run's length, the held-out scoring and the outputs (both same-samples benches)."""
-    p.add_argument("--student", default="runs/reverse_text_sft_short/weights/step_40")
+    p.add_argument("--student", default=STUDENT)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--every", type=int, default=10, help="compare every N optimizer steps")
     p.add_argument("--samples", type=int, default=4, help="completions per held-out prompt for the sampled reward")

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import REPO, require_checkpoint  # noqa: E402
+from _common import REPO, STUDENT, require_checkpoint  # noqa: E402
 
 sys.path.insert(0, REPO)
 
@@ -50,7 +50,7 @@ async def run(env, client, tokenizer, args) -> tuple[float, float, int, int]:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--student", default="runs/reverse_text_sft_short/weights/step_40")
+    p.add_argument("--student", default=STUDENT)
     p.add_argument("--tasks", type=int, default=32)
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-turns", type=int, default=4)

@@ -38,7 +38,7 @@ import yaml
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
-from _common import REPO, require_checkpoint  # noqa: E402
+from _common import REPO, TEACHER, require_checkpoint  # noqa: E402
 from distillation import train_trl  # noqa: E402
 from grpo_same_samples import add_run_arguments, chosen_settings, compare, held_out, recorded_samples, report  # noqa: E402,E501
 
@@ -107,7 +107,7 @@ def run_setting(args, name: str) -> list[dict]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--settings", default="reverse_kl", help=f"comma separated, of {list(SETTINGS)}")
-    p.add_argument("--teacher", default="runs/reverse_text_sft/weights/step_300")
+    p.add_argument("--teacher", default=TEACHER)
     add_run_arguments(p, "runs/opd_same_samples")
     args = p.parse_args(argv)
     settings = chosen_settings(p, args.settings, SETTINGS)

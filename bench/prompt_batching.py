@@ -34,7 +34,7 @@ from pathlib import Path
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
-from _common import require_checkpoint  # noqa: E402
+from _common import STUDENT, require_checkpoint  # noqa: E402
 from sampler_vs_generate import TRAIN, prompt_ids  # noqa: E402
 from trl_grpo import drawn_prompts  # noqa: E402
 
@@ -63,7 +63,7 @@ async def draw(server, prompts: list[list[int]], contender: str, tokens: int) ->
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--student", default="runs/reverse_text_sft_short/weights/step_40")
+    p.add_argument("--student", default=STUDENT)
     p.add_argument("--calls", type=int, default=64)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=7)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
-from _common import REPO, require_checkpoint  # noqa: E402
+from _common import REPO, STUDENT, require_checkpoint  # noqa: E402
 from trl_grpo import drawn_prompts  # noqa: E402
 
 TRAIN = os.path.join(REPO, "examples", "reverse_text", "data", "train.jsonl")
@@ -149,7 +149,7 @@ def mean_se(values: list[float]) -> tuple[float, float]:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--student", default="runs/reverse_text_sft_short/weights/step_40")
+    p.add_argument("--student", default=STUDENT)
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--per-prompt", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=48)

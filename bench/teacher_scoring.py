@@ -30,7 +30,7 @@ from pathlib import Path
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
-from _common import require_checkpoint  # noqa: E402
+from _common import TEACHER, require_checkpoint  # noqa: E402
 from sampler_vs_generate import TRAIN  # noqa: E402
 from trl_grpo import drawn_prompts  # noqa: E402
 
@@ -62,7 +62,7 @@ def same(a, b) -> bool:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--teacher", default="runs/reverse_text_sft/weights/step_300")
+    p.add_argument("--teacher", default=TEACHER)
     p.add_argument("--calls", type=int, default=64, help="samples scored together (opd.yaml's batch)")
     p.add_argument("--top-k", default="20,0", help="comma separated k of score_top_k (opd.yaml: 20; 0: the sampled token only)")
     p.add_argument("--rounds", type=int, default=7)
