@@ -1,6 +1,11 @@
-"""Adding vLLM arguments to the options of a server lit-rl starts (`VLLMServer` keyword arguments).
+"""The options of a server lit-rl starts (`VLLMServer` keyword arguments, a config's `server:`
+mapping): checked before any server starts, and added to by the parts of a run.
 
-Several parts of a run each add their own (the sampler's seed, LoRA support, the teacher's top k
+Checked: every name must be a `VLLMServer` parameter. Unchecked, a misspelt one reached
+`VLLMServer(**options)` only when the run started its servers, after the model and any other server
+had loaded, as a TypeError in a traceback (`server_option_problems`).
+
+Added to: several parts of a run each add their own (the sampler's seed, LoRA support, the teacher's top k
 and tokenizer), all in the same way: each names the flags that, when the user's `extra_args`
 already has one, leave the setting to the user; and `extra_args` given as one string is passed on
 untouched, for `VLLMServer` to refuse by name (split into characters, as each adder used to, it
@@ -9,7 +14,39 @@ became an unreadable vLLM error).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import difflib
+import inspect
+from collections.abc import Iterable, Sequence
+
+# Set by lit-rl from options of their own (the config's model, its api_key, the run directory).
+SET_BY_LIT_RL = ("model", "api_key", "allowed_root")
+# What the evaluator's server options take besides: the node's last N GPUs for its server
+# (`lit-rl evaluate --server`, `OnlineEval(server=...)`; commands/evaluate.with_gpu_split).
+EVALUATOR_SERVER_OPTIONS = ("num_infer_gpus",)
+
+
+def server_option_problems(options: dict, also: Iterable[str] = ()) -> list[str]:
+    """What is wrong with `options` for a server lit-rl starts, one line per option, each starting
+    with the option's name (callers put where it came from in front: `inference.server.`): a name
+    `VLLMServer` takes no parameter for (with the closest one it takes), one lit-rl sets itself, or
+    `extra_args` as one string. `also`: names the caller accepts besides (the evaluator's
+    `num_infer_gpus`)."""
+    from lit_rl.inference.server import VLLMServer, extra_args_problem
+
+    parameters = inspect.signature(VLLMServer.__init__).parameters
+    accepted = [name for name in parameters if name not in ("self", *SET_BY_LIT_RL)] + list(also)
+    problems = []
+    for name in options:
+        if name in SET_BY_LIT_RL:
+            problems.append(f"{name} is not a server option here: lit-rl sets it (the model, the api_key and the "
+                            "run directory have options of their own)")
+        elif name not in accepted:
+            close = difflib.get_close_matches(name, accepted, n=1)
+            problems.append(f"{name} is not a server option{f' (did you mean {close[0]}?)' if close else ''}; "
+                            f"the options are {', '.join(accepted)}")
+    if problem := extra_args_problem(options.get("extra_args", ())):
+        problems.append(problem)
+    return problems
 
 
 def with_server_args(options: dict, args: Sequence[str], *, unless: Sequence[str] = ()) -> dict:

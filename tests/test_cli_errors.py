@@ -198,3 +198,33 @@ def test_evaluate_and_serve_name_a_missing_directory_or_a_bad_env_before_any_ser
     assert not (tmp_path / "run" / "evals").exists()  # no server, no log
     err = user_error(["serve", "--model", str(tmp_path / "nope")], capsys)
     assert f"--model {tmp_path / 'nope'}: no such directory (a hub name is ORG/NAME)" in err, err
+
+
+def test_a_misspelt_server_option_is_named_before_any_server_starts(tmp_path, capsys):
+    """Before: `inference.server: {tensor_parallel_sizes: 2}` reached VLLMServer(**options) when the run
+    started its server, a TypeError in a traceback after the model had loaded. Now each place that
+    takes server options names the option and the closest one there is, before anything starts."""
+    from lit_rl.callbacks import OnlineEval
+    from lit_rl.rollouts import ReverseTextEnv
+
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
+    grpo = ["fit", "--config", "examples/reverse_text/grpo.yaml", "--data.init_args.env.init_args.path", data,
+            "--trainer.default_root_dir", str(tmp_path / "run")]
+    err = user_error([*grpo, "--inference.server", '{"dtype": "float32", "tensor_parallel_sizes": 2, "api_key": "k"}'],
+                     capsys)
+    assert "inference.server.tensor_parallel_sizes is not a server option (did you mean tensor_parallel_size?)" in err, err
+    assert "inference.server.api_key is not a server option here: lit-rl sets it" in err, err
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+    with pytest.raises(ValueError, match=r"OnlineEval: server.enforce_eagr is not a server option \(did you mean enforce_eager\?\)"):
+        OnlineEval(envs=[ReverseTextEnv(path=data, num_examples=2)], server={"enforce_eagr": True})
+    OnlineEval(envs=[ReverseTextEnv(path=data, num_examples=2)], server={"enforce_eager": True, "num_infer_gpus": 1})
+
+    weights = tmp_path / "evaluated" / "weights"
+    weights.mkdir(parents=True)
+    env = ["--env", "lit_rl.rollouts.ReverseTextEnv"]
+    err = user_error(["evaluate", "--weights-dir", str(weights), *env, "--server", '{"max_model_length": 512}'], capsys)
+    assert "--server max_model_length is not a server option (did you mean max_model_len?)" in err, err
+    err = user_error(["evaluate", "--weights-dir", str(weights), *env, "--server", "{max_model_len: 512}"], capsys)
+    assert "--server: not JSON" in err, err
+    assert not (tmp_path / "evaluated" / "evals").exists()

@@ -37,6 +37,8 @@ from lit_rl.eval.wandb_shared import describe_run, make_trainer_primary
 from lit_rl.inference.runtime import InferenceRuntime
 from lit_rl.rollouts.envs import Environment
 from lit_rl.run_dir import step_of
+from lit_rl.server_options import EVALUATOR_SERVER_OPTIONS, server_option_problems
+
 
 def check_cpus(cpus: list[int] | None) -> list[int] | None:
     if cpus is None:
@@ -91,6 +93,8 @@ class OnlineEval(L.Callback):
             raise ValueError(f"OnlineEval.intervals names unknown environments {sorted(unknown)}; known: {names}")
         if base_url and server:
             raise ValueError("OnlineEval: give base_url (an existing server) or server options, not both")
+        if problems := server_option_problems(server or {}, also=EVALUATOR_SERVER_OPTIONS):
+            raise ValueError("OnlineEval: " + "; ".join(f"server.{problem}" for problem in problems))
         self.plan = EvalPlan(envs=[e.to_config() for e in envs], interval=interval, intervals=dict(intervals or {}),
                              eval_base=eval_base)
         self.names = names

@@ -31,6 +31,7 @@ from lit_rl.eval.logging import EvalLogger
 from lit_rl.eval.plan import EvalPlan, evals_dir
 from lit_rl.lora import adapter_base, is_adapter_dir, lora_server_options
 from lit_rl.run_dir import lease, stable_steps
+from lit_rl.server_options import EVALUATOR_SERVER_OPTIONS, server_option_problems
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -101,6 +102,20 @@ def first_checkpoint(root: Path, timeout: float | None, parent_pid: int | None) 
         time.sleep(0.5)
 
 
+def server_options(text: str) -> dict:
+    """`--server`'s JSON, checked before anything starts (a misspelt option named, not a TypeError
+    once the first checkpoint is found)."""
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"--server: not JSON ({e}): {text!r}") from e
+    if not isinstance(options, dict):
+        raise UserError(f"--server: give a JSON object of server options, got {text!r}")
+    if problems := server_option_problems(options, also=EVALUATOR_SERVER_OPTIONS):
+        raise UserError("; ".join(f"--server {problem}" for problem in problems))
+    return options
+
+
 def with_gpu_split(server_kwargs: dict) -> dict:
     """`num_infer_gpus: N` among the server options: serve on the node's last N GPUs (extra GPUs
     beyond tensor parallelism become data-parallel ranks); train on the others."""
@@ -127,8 +142,8 @@ async def run(args: argparse.Namespace) -> None:
             envs = [instantiate(config) for config in plan.envs]
         except (ValueError, TypeError) as e:
             raise UserError(f"--env / --env-args or the plan's environments: {e}") from e
+    server_kwargs = with_gpu_split(server_options(args.server))
     logger = EvalLogger(args.log_dir or evals_dir(root), json.loads(args.wandb) if args.wandb else None)
-    server_kwargs = with_gpu_split(json.loads(args.server))
     model = None
     if not args.base_url:
         model = first_checkpoint(root, args.start_timeout if args.follow else None, args.parent_pid)

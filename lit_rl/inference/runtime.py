@@ -63,11 +63,11 @@ from lit_rl.inference.client import AdapterRefused, InferenceServerError
 from lit_rl.inference.endpoint import Endpoint, open_endpoint
 from lit_rl.inference.evaluator_process import EvaluatorProcess
 from lit_rl.inference.restarts import ServerGone, ServerRestarts
-from lit_rl.inference.server import StartInterrupted, extra_args_problem
+from lit_rl.inference.server import StartInterrupted
 from lit_rl.lora import lora_server_options
 from lit_rl.run_dir import base_dir, lease
 from lit_rl.run_seed import run_seed, with_sampler_seed
-from lit_rl.server_options import with_server_args
+from lit_rl.server_options import server_option_problems, with_server_args
 
 ROLES = ("policy", "teacher")
 ADAPTER_NAME = "lit-rl-policy"  # the policy's LoRA adapter, as rollouts ask for it from the server
@@ -202,8 +202,7 @@ class InferenceRuntime(L.Callback):
             problems.append(f"inference.health_check_interval must be >= 0 seconds (0: no watchdog), got "
                             f"{self.health_check_interval!r}")
         for name, options in (("server", self.server), ("teacher_server", self.teacher_server)):
-            if problem := extra_args_problem(options.get("extra_args", ())):  # the server's check, before any starts
-                problems.append(f"inference.{name}.{problem}")
+            problems += [f"inference.{name}.{problem}" for problem in server_option_problems(options)]
         if self.teacher_server and not self.teacher_model:
             problems.append("inference.teacher_server options need inference.teacher_model (the model to start a "
                             "server for)")
