@@ -17,6 +17,7 @@ import yaml
 
 from forked_cli import run_forked
 from helpers import REPO, reverse_rows, write_jsonl
+from test_docs_yaml import server_problems_in
 
 CONFIG = str(REPO / "examples" / "reverse_text" / "sft.yaml")
 
@@ -112,6 +113,7 @@ def test_shipped_configs_parse(config, lit_rl_main):
     assert code == 0, stderr[-2000:]
     parsed = yaml.safe_load(stdout)
     assert parsed["model"]["class_path"].startswith("lit_rl.") and parsed["data"]["class_path"].startswith("lit_rl.")
+    assert not server_problems_in(parsed)  # free-form to the parser: checked as a run checks them before a start
 
 
 def test_a_forked_run_sees_what_python_dash_m_gives_it(tmp_path):
