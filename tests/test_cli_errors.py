@@ -203,7 +203,8 @@ def test_evaluate_and_serve_name_a_missing_directory_or_a_bad_env_before_any_ser
 def test_a_misspelt_server_option_is_named_before_any_server_starts(tmp_path, capsys):
     """Before: `inference.server: {tensor_parallel_sizes: 2}` reached VLLMServer(**options) when the run
     started its server, a TypeError in a traceback after the model had loaded. Now each place that
-    takes server options names the option and the closest one there is, before anything starts."""
+    takes server options names the option and the closest one there is, before anything starts.
+    `lit-rl evaluate`'s JSON flags that are not a JSON object were a JSONDecodeError's traceback."""
     from lit_rl.callbacks import OnlineEval
     from lit_rl.rollouts import ReverseTextEnv
 
@@ -225,6 +226,10 @@ def test_a_misspelt_server_option_is_named_before_any_server_starts(tmp_path, ca
     env = ["--env", "lit_rl.rollouts.ReverseTextEnv"]
     err = user_error(["evaluate", "--weights-dir", str(weights), *env, "--server", '{"max_model_length": 512}'], capsys)
     assert "--server max_model_length is not a server option (did you mean max_model_len?)" in err, err
-    err = user_error(["evaluate", "--weights-dir", str(weights), *env, "--server", "{max_model_len: 512}"], capsys)
-    assert "--server: not JSON" in err, err
+    for flag, value, said in (("--server", "{max_model_len: 512}", "not JSON"), ("--env-args", "[1]", "give a JSON object"),
+                              ("--wandb", "{'id': 'x'}", "not JSON")):  # a usage error, as argparse says it
+        with pytest.raises(SystemExit) as e:
+            cli.main(["evaluate", "--weights-dir", str(weights), *env, flag, value])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"argument {flag}: {said}" in err and "Traceback" not in err, err
     assert not (tmp_path / "evaluated" / "evals").exists()

@@ -34,6 +34,18 @@ from lit_rl.run_dir import lease, stable_steps
 from lit_rl.server_options import EVALUATOR_SERVER_OPTIONS, server_option_problems
 
 
+def json_object(text: str) -> dict:
+    """The type of the JSON options (--server, --env-args, --wandb): a bad one is named by argparse
+    (`argument --server: not JSON ...`, exit 2) instead of a JSONDecodeError's traceback."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"give a JSON object, got {text}")
+    return value
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="lit-rl evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group(required=True)
@@ -41,12 +53,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     where.add_argument("--run-dir", help="a run directory (holds weights/)")
     p.add_argument("--base-url", help="an existing OpenAI-compatible vLLM server (started with VLLM_SERVER_DEV_MODE=1)")
     p.add_argument("--api-key-env", default=None, help="name of the environment variable holding the server's API key")
-    p.add_argument("--server", default="{}", help="JSON of VLLMServer options when lit-rl starts the server")
+    p.add_argument("--server", type=json_object, default="{}", help="JSON of VLLMServer options when lit-rl starts the server")
     p.add_argument("--plan", help="plan.json (default: <run dir>/evals/plan.json)")
     p.add_argument("--env", action="append", default=[], help="environment class path (repeatable)")
-    p.add_argument("--env-args", action="append", default=[], help="JSON init args of the --env at the same position")
+    p.add_argument("--env-args", type=json_object, action="append", default=[], help="JSON init args of the --env at the same position")
     p.add_argument("--log-dir", help="where eval_metrics.csv goes (default: <run dir>/evals)")
-    p.add_argument("--wandb", default=None, help="JSON of wandb.init arguments to join the trainer's run")
+    p.add_argument("--wandb", type=json_object, default=None, help="JSON of wandb.init arguments to join the trainer's run")
     p.add_argument("--follow", action="store_true", help="keep watching until the trainer's final step is evaluated")
     p.add_argument("--parent-pid", type=int, default=None, help="stop when this process is gone")
     p.add_argument("--start-timeout", type=float, default=3600.0,
@@ -74,7 +86,7 @@ def run_root(args: argparse.Namespace) -> Path:
 
 def load_plan(args: argparse.Namespace, root: Path) -> EvalPlan:
     if args.env:
-        extra = [json.loads(a) for a in args.env_args] + [{}] * (len(args.env) - len(args.env_args))
+        extra = args.env_args + [{}] * (len(args.env) - len(args.env_args))
         return EvalPlan(envs=[{"class_path": c, "init_args": a} for c, a in zip(args.env, extra)], interval=1)
     path = Path(args.plan) if args.plan else evals_dir(root) / "plan.json"
     if not path.is_file():
@@ -102,15 +114,9 @@ def first_checkpoint(root: Path, timeout: float | None, parent_pid: int | None) 
         time.sleep(0.5)
 
 
-def server_options(text: str) -> dict:
-    """`--server`'s JSON, checked before anything starts (a misspelt option named, not a TypeError
+def checked_server_options(options: dict) -> dict:
+    """`--server`'s options, checked before anything starts (a misspelt option named, not a TypeError
     once the first checkpoint is found)."""
-    try:
-        options = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(f"--server: not JSON ({e}): {text!r}") from e
-    if not isinstance(options, dict):
-        raise UserError(f"--server: give a JSON object of server options, got {text!r}")
     if problems := server_option_problems(options, also=EVALUATOR_SERVER_OPTIONS):
         raise UserError("; ".join(f"--server {problem}" for problem in problems))
     return options
@@ -142,8 +148,8 @@ async def run(args: argparse.Namespace) -> None:
             envs = [instantiate(config) for config in plan.envs]
         except (ValueError, TypeError) as e:
             raise UserError(f"--env / --env-args or the plan's environments: {e}") from e
-    server_kwargs = with_gpu_split(server_options(args.server))
-    logger = EvalLogger(args.log_dir or evals_dir(root), json.loads(args.wandb) if args.wandb else None)
+    server_kwargs = with_gpu_split(checked_server_options(args.server))
+    logger = EvalLogger(args.log_dir or evals_dir(root), args.wandb)
     model = None
     if not args.base_url:
         model = first_checkpoint(root, args.start_timeout if args.follow else None, args.parent_pid)
