@@ -6,7 +6,7 @@
 # The packages go in with uv (installed into .venv by pip first): it downloads, unpacks and
 # byte-compiles in parallel, where pip does one thing at a time. From nothing on a 2-core machine,
 # the three installs took 121 s with pip and 53 s with uv (same pins, same indexes; 2026-12-07).
-# Where uv cannot be installed, pip does the same work.
+# Where uv cannot be installed, or LIT_RL_SETUP_WITH=pip, pip does the same work (bench/setup_time.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -44,11 +44,11 @@ while IFS= read -r line; do
   done
 done < <("$VPY" -m pip config list 2>/dev/null || true)
 
-if pip_install uv "${PINS[@]}" 2>/dev/null; then
+if [ "${LIT_RL_SETUP_WITH:-uv}" = uv ] && pip_install uv "${PINS[@]}" 2>/dev/null; then
   install_packages() { .venv/bin/uv pip install -q --python "$VPY" --index-strategy unsafe-best-match --compile-bytecode \
                 "${UV_INDEXES[@]}" "$@"; }
 else
-  echo "setup: uv could not be installed; installing with pip (slower)" >&2
+  [ "${LIT_RL_SETUP_WITH:-uv}" = pip ] || echo "setup: uv could not be installed; installing with pip (slower)" >&2
   pip_install --upgrade pip
   install_packages() { pip_install "$@"; }
 fi
