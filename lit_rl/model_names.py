@@ -54,6 +54,20 @@ def missing_local_model(name: str | os.PathLike) -> bool:
     return os.path.isabs(path) or path.startswith((".", "~")) or path.replace(os.sep, "/").count("/") > 1
 
 
+def not_a_model_dir(name: str | os.PathLike) -> str | None:
+    """Why an existing local directory `name` is no model vLLM can serve (it has no `config.json`),
+    naming the newest checkpoint in it when it is a run's `weights/`; None otherwise. vLLM says so
+    only after its start-up, in a traceback of its own."""
+    path = Path(resolve_model_name(name))
+    if not path.is_dir() or (path / "config.json").is_file() or (path / "params.json").is_file():
+        return None
+    steps = sorted((int(p.name[5:]), p) for p in path.glob("step_*")
+                   if p.name[5:].isdigit() and (p / "config.json").is_file())
+    if steps:
+        return f"holds checkpoints, not a model: give one of them, e.g. {steps[-1][1]}"
+    return "has no config.json: not a model directory (a run's checkpoints are <run>/weights/step_N)"
+
+
 def not_loadable(name: str | os.PathLike, what: str, error: OSError) -> UserError:
     """The UserError for transformers' OSError on loading `name` (the user's spelling)."""
     name = os.fspath(name)

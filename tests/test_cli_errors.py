@@ -198,6 +198,15 @@ def test_evaluate_and_serve_name_a_missing_directory_or_a_bad_env_before_any_ser
     assert not (tmp_path / "run" / "evals").exists()  # no server, no log
     err = user_error(["serve", "--model", str(tmp_path / "nope")], capsys)
     assert f"--model {tmp_path / 'nope'}: no such directory (a hub name is ORG/NAME)" in err, err
+    # a directory that is no model: vLLM said so after its start-up (15 s here), in its own traceback
+    err = user_error(["serve", "--model", str(tmp_path / "run")], capsys)
+    assert f"--model {tmp_path / 'run'} has no config.json: not a model directory" in err, err
+    for step in (2, 10):
+        (weights / f"step_{step}").mkdir()
+        (weights / f"step_{step}" / "config.json").write_text("{}")
+    (weights / "step_11").mkdir()  # no config.json: not a checkpoint to name
+    err = user_error(["serve", "--model", str(weights)], capsys)
+    assert f"--model {weights} holds checkpoints, not a model: give one of them, e.g. {weights / 'step_10'}" in err, err
 
 
 def test_a_misspelt_server_option_is_named_before_any_server_starts(tmp_path, capsys):

@@ -18,7 +18,7 @@ import sys
 import time
 
 from lit_rl.errors import UserError
-from lit_rl.model_names import missing_local_model
+from lit_rl.model_names import missing_local_model, not_a_model_dir
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     args, extra = parse(sys.argv[1:] if argv is None else argv)
     if missing_local_model(args.model):
         raise UserError(f"--model {args.model}: no such directory (a hub name is ORG/NAME)")
+    if problem := not_a_model_dir(args.model):
+        raise UserError(f"--model {args.model} {problem}")
     if args.num_infer_gpus is not None:
         from lit_rl.inference.gpus import plan_gpus, visible_gpus
 
