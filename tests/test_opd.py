@@ -9,6 +9,8 @@ tests/test_rollout_buffer.py: measured 9.5e-7 for vLLM vs HF in float32 on CPU).
 from __future__ import annotations
 
 import asyncio
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,6 +106,7 @@ def test_opd_without_a_teacher_or_with_another_tokenizer_is_refused_before_any_s
     tok = AutoTokenizer.from_pretrained(TINY_MODEL)
     tok.add_tokens(["<teacher_only>"])
     tok.save_pretrained(other)
+    shutil.copy(Path(TINY_MODEL) / "config.json", other)  # a model directory (its weights are never read)
     code, _, stderr = lit_rl_main(opd_args(tmp_path / "b", data, TINY_MODEL, 2, "--model.init_args.random_init", "true",
                                            "--inference.teacher_model", str(other)))
     assert code == 1 and "another vocabulary" in stderr, stderr[-3000:]
@@ -130,7 +133,14 @@ def test_bad_distillation_options_and_two_teachers_are_refused_before_any_server
     code, _, stderr = lit_rl_main(opd_args(tmp_path / "e", data, TINY_MODEL, 2, *student, "--inference.teacher_server",
                                            '{"dtype": "float32", "extra_args": "--max-num-seqs 8"}'))
     assert code == 1 and "inference.teacher_server.extra_args must be a list of vLLM arguments" in stderr, stderr
-    for run in "abcde":
+    # a teacher directory that is missing, or no model (before: transformers' traceback at the start)
+    (tmp_path / "empty").mkdir()
+    for run, teacher, said in (("f", tmp_path / "missing", ": no such directory"),
+                               ("g", tmp_path / "empty", " has no config.json: not a model directory")):
+        code, _, stderr = lit_rl_main(opd_args(tmp_path / run, data, TINY_MODEL, 2, *student,
+                                               "--inference.teacher_model", str(teacher)))
+        assert code == 1 and f"inference.teacher_model {teacher}{said}" in stderr, stderr
+    for run in "abcdefg":
         assert not (tmp_path / run / "vllm.log").exists() and not (tmp_path / run / "vllm_teacher.log").exists()
 
 
