@@ -73,6 +73,8 @@ def not_loadable(name: str | os.PathLike, what: str, error: OSError) -> UserErro
     name = os.fspath(name)
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     path = resolve_model_name(name)
+    if missing_local_model(name):  # a path, not a hub name: no download to suggest
+        return UserError(f"cannot load the {what} {name!r}: no such directory (a hub name is ORG/NAME)")
     if os.path.isdir(path):
         return UserError(f"cannot load the {what} in directory {name!r}: {first}\n"
                          f"fix: point to a complete HF checkpoint directory (config.json, tokenizer files, weights)")
@@ -89,7 +91,12 @@ def load_tokenizer(name: str | os.PathLike, **kwargs):
     """`AutoTokenizer.from_pretrained` for a hub name, a directory or a built-in name."""
     from transformers import AutoTokenizer
 
+    path = resolve_model_name(name)
     try:
-        return AutoTokenizer.from_pretrained(resolve_model_name(name), **kwargs)
+        return AutoTokenizer.from_pretrained(path, **kwargs)
     except OSError as e:
         raise not_loadable(name, "tokenizer", e) from e
+    except ValueError as e:  # a directory without tokenizer files: "Couldn't instantiate the backend tokenizer"
+        if os.path.isdir(path):
+            raise not_loadable(name, "tokenizer", e) from e
+        raise

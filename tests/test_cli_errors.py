@@ -63,6 +63,19 @@ def test_hub_model_without_network(tmp_path, capsys):
     assert "fix:" in err and "lit-rl:tiny_qwen3" in err and "hf download no-such-org/no-such-model" in err
 
 
+def test_a_model_path_that_is_missing_or_holds_no_model_is_one_message(tmp_path, capsys):
+    """Before: a missing path was told to `hf download` itself, and an empty directory was
+    transformers' "Couldn't instantiate the backend tokenizer" traceback."""
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(4))
+    (tmp_path / "empty").mkdir()
+    preview = ["data", "preview", "--config", CONFIG, "--data.init_args.path", data, "--model.init_args.model"]
+    err = user_error([*preview, str(tmp_path / "missing")], capsys)
+    assert f"cannot load the tokenizer '{tmp_path / 'missing'}': no such directory" in err and "hf download" not in err, err
+    err = user_error([*preview, str(tmp_path / "empty")], capsys)
+    assert f"cannot load the tokenizer in directory '{tmp_path / 'empty'}'" in err, err
+    assert "fix: point to a complete HF checkpoint directory" in err, err
+
+
 def test_option_that_is_not_accepted(capsys):
     with pytest.raises(SystemExit) as e:  # jsonargparse's own message: names the option, no traceback
         cli.main(["fit", "--config", CONFIG, "--data.init_args.no_such_field", "1"])
