@@ -54,6 +54,16 @@ def test_missing_column(tmp_path, capsys):
     assert "'messages'" in err and "'prompt'" in err and "question" in err, err
 
 
+def test_a_row_that_is_not_json_is_named(tmp_path, capsys):
+    """datasets says only "An error occurred while generating the dataset"; the row is in its cause."""
+    good = write_jsonl(tmp_path / "good.jsonl", reverse_rows(2))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(open(good).read() + '{"messages": [{"role": "user", "content": "x"}\n')
+    err = user_error(["data", "preview", "--config", CONFIG, "--data.init_args.path", str(bad),
+                      "--data.init_args.val_path", ""], capsys)
+    assert f"cannot load '{bad}'" in err and "(cause: ArrowInvalid: JSON parse error" in err and "in row 2" in err, err
+
+
 def test_hub_model_without_network(tmp_path, capsys):
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(4))
     err = user_error(["data", "preview", "--config", CONFIG, "--data.init_args.path", data,

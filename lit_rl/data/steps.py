@@ -77,6 +77,17 @@ class RowRenderer:
         return Sample(input_ids=ids[: self.max_length], loss_mask=mask[: self.max_length], truncated=truncated)
 
 
+def with_causes(error: BaseException) -> str:
+    """`Type: message` of an error and of what raised it: datasets' DatasetGenerationError says only
+    "An error occurred while generating the dataset"; the row at fault is in its cause (pyarrow's
+    "JSON parse error: ... in row 1")."""
+    parts = []
+    while error is not None and len(parts) < 4:
+        parts.append(f"{type(error).__name__}: {error}")
+        error = error.__cause__
+    return parts[0] + "".join(f" (cause: {part})" for part in parts[1:])
+
+
 def open_row_renderer(
     path: str, *, split: str, subset: str | None, data_files, max_examples: int | None, columns: dict[str, str],
     tokenizer: str, max_length: int, trust_remote_code: bool, chat_template_kwargs: dict | None, bad_rows: str,
@@ -89,7 +100,7 @@ def open_row_renderer(
     try:
         rows = open_split(path, subset=subset, split=split, data_files=data_files, max_examples=max_examples)
     except Exception as e:  # noqa: BLE001 - reported with the rest, naming the source
-        problems.append(f"{what}: cannot load {path!r} (split {split!r}): {type(e).__name__}: {e}")
+        problems.append(f"{what}: cannot load {path!r} (split {split!r}): {with_causes(e)}")
         return None
     if len(rows) == 0:
         problems.append(f"{what}: {path!r} split {split!r} has no rows")
