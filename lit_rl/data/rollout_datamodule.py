@@ -237,6 +237,13 @@ class RolloutDataModule(L.LightningDataModule):
         if getattr(self.trainer.lightning_module, "loss_type", None) == "dr_grpo" and limit and limit < self.max_tokens:
             problems.append(f"model.init_args.max_completion_length ({limit}) is below data.max_tokens ({self.max_tokens}): "
                             "dr_grpo divides every sequence's loss by it, so it must be at least the longest completion")
+        sampler, options = ("server", self.runtime.server) if self.source == "policy" else (
+            "teacher_server", self.runtime.teacher_server)
+        model_len = options.get("max_model_len")
+        if isinstance(model_len, int) and self.max_tokens >= model_len:  # vLLM would refuse every request (400)
+            problems.append(f"data.max_tokens ({self.max_tokens}) leaves no room for a prompt in "
+                            f"inference.{sampler}.max_model_len ({model_len}), which counts prompt and completion "
+                            "tokens together: lower the one or raise the other")
         if self.source == "policy" and not self.sampling_process.is_identity and self.runtime.base_url and (
                 self.runtime.logprobs_mode != "processed_logprobs"):
             problems.append(f"data.temperature {self.temperature}, top_p {self.top_p}, top_k {self.top_k} sample from "
