@@ -139,7 +139,7 @@ def test_every_source_problem_is_reported_at_once_before_any_server(data, tmp_pa
     assert code == 1 and "data.max_tokens (512) leaves no room for a prompt in inference.server.max_model_len (512)" \
         in stderr, stderr[-3000:]
     code, _, stderr = lit_rl_main(sft_args(tmp_path / "e", data, "--data.init_args.max_tokens", "600",
-                                           "--trainer.max_steps", "2"))
+                                           "--inference.teacher_model", TINY_MODEL, "--trainer.max_steps", "2"))
     assert code == 1 and "data.max_tokens (600) leaves no room for a prompt in inference.teacher_server.max_model_len " \
         "(512)" in stderr, stderr[-3000:]
     assert not list(tmp_path.glob("*/vllm*.log"))  # refused before any server started
