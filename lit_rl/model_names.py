@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 from lit_rl.errors import UserError
+from lit_rl.run_dir import step_of
 
 PREFIX = "lit-rl:"
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -54,18 +55,23 @@ def missing_local_model(name: str | os.PathLike) -> bool:
     return os.path.isabs(path) or path.startswith((".", "~")) or path.replace(os.sep, "/").count("/") > 1
 
 
-def not_a_model_dir(name: str | os.PathLike) -> str | None:
-    """Why an existing local directory `name` is no model vLLM can serve (it has no `config.json`),
-    naming the newest checkpoint in it when it is a run's `weights/`; None otherwise. vLLM says so
-    only after its start-up, in a traceback of its own."""
+NO_SUCH_DIRECTORY = "no such directory (a hub name is ORG/NAME)"
+
+
+def local_model_problem(name: str | os.PathLike) -> str | None:
+    """Why `name` is no model vLLM can serve, to follow the name in a message (it starts with ": "
+    or " "): a path with no directory there, or a directory without `config.json` (naming the
+    newest checkpoint in it when it is a run's `weights/`). None for a model directory or a hub
+    name. vLLM says so only after its start-up, in a traceback of its own."""
+    if missing_local_model(name):
+        return f": {NO_SUCH_DIRECTORY}"
     path = Path(resolve_model_name(name))
     if not path.is_dir() or (path / "config.json").is_file() or (path / "params.json").is_file():
         return None
-    steps = sorted((int(p.name[5:]), p) for p in path.glob("step_*")
-                   if p.name[5:].isdigit() and (p / "config.json").is_file())
+    steps = sorted((step_of(p), p) for p in path.iterdir() if step_of(p) is not None and (p / "config.json").is_file())
     if steps:
-        return f"holds checkpoints, not a model: give one of them, e.g. {steps[-1][1]}"
-    return "has no config.json: not a model directory (a run's checkpoints are <run>/weights/step_N)"
+        return f" holds checkpoints, not a model: give one of them, e.g. {steps[-1][1]}"
+    return " has no config.json: not a model directory (a run's checkpoints are <run>/weights/step_N)"
 
 
 def not_loadable(name: str | os.PathLike, what: str, error: OSError) -> UserError:
@@ -74,7 +80,7 @@ def not_loadable(name: str | os.PathLike, what: str, error: OSError) -> UserErro
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     path = resolve_model_name(name)
     if missing_local_model(name):  # a path, not a hub name: no download to suggest
-        return UserError(f"cannot load the {what} {name!r}: no such directory (a hub name is ORG/NAME)")
+        return UserError(f"cannot load the {what} {name!r}: {NO_SUCH_DIRECTORY}")
     if os.path.isdir(path):
         return UserError(f"cannot load the {what} in directory {name!r}: {first}\n"
                          f"fix: point to a complete HF checkpoint directory (config.json, tokenizer files, weights)")

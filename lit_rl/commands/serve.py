@@ -18,7 +18,7 @@ import sys
 import time
 
 from lit_rl.errors import UserError
-from lit_rl.model_names import missing_local_model, not_a_model_dir
+from lit_rl.model_names import local_model_problem
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -49,10 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     from lit_rl.inference.server import ServerStartError, VLLMServer
 
     args, extra = parse(sys.argv[1:] if argv is None else argv)
-    if missing_local_model(args.model):
-        raise UserError(f"--model {args.model}: no such directory (a hub name is ORG/NAME)")
-    if problem := not_a_model_dir(args.model):
-        raise UserError(f"--model {args.model} {problem}")
+    if problem := local_model_problem(args.model):
+        raise UserError(f"--model {args.model}{problem}")
     if args.num_infer_gpus is not None:
         from lit_rl.inference.gpus import plan_gpus, visible_gpus
 

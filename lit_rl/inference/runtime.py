@@ -65,7 +65,7 @@ from lit_rl.inference.evaluator_process import EvaluatorProcess
 from lit_rl.inference.restarts import ServerGone, ServerRestarts
 from lit_rl.inference.server import StartInterrupted
 from lit_rl.lora import lora_server_options
-from lit_rl.model_names import missing_local_model, not_a_model_dir
+from lit_rl.model_names import local_model_problem
 from lit_rl.run_dir import base_dir, lease
 from lit_rl.run_seed import run_seed, with_sampler_seed
 from lit_rl.server_options import server_option_problems, with_server_args
@@ -203,11 +203,9 @@ class InferenceRuntime(L.Callback):
             problems.append(f"inference.health_check_interval must be >= 0 seconds (0: no watchdog), got "
                             f"{self.health_check_interval!r}")
         for name, options in (("server", self.server), ("teacher_server", self.teacher_server)):
-            problems += [f"inference.{name}.{problem}" for problem in server_option_problems(options)]
-        if self.teacher_model and missing_local_model(self.teacher_model):
-            problems.append(f"inference.teacher_model {self.teacher_model}: no such directory (a hub name is ORG/NAME)")
-        elif self.teacher_model and (problem := not_a_model_dir(self.teacher_model)):
-            problems.append(f"inference.teacher_model {self.teacher_model} {problem}")
+            problems += server_option_problems(options, where=f"inference.{name}.")
+        if self.teacher_model and (problem := local_model_problem(self.teacher_model)):
+            problems.append(f"inference.teacher_model {self.teacher_model}{problem}")
         if self.teacher_server and not self.teacher_model:
             problems.append("inference.teacher_server options need inference.teacher_model (the model to start a "
                             "server for)")
