@@ -25,12 +25,12 @@ SET_BY_LIT_RL = ("model", "api_key", "allowed_root")
 EVALUATOR_SERVER_OPTIONS = ("num_infer_gpus",)
 
 
-def server_option_problems(options: dict, also: Iterable[str] = ()) -> list[str]:
+def server_option_problems(options: dict, where: str, also: Iterable[str] = ()) -> list[str]:
     """What is wrong with `options` for a server lit-rl starts, one line per option, each starting
-    with the option's name (callers put where it came from in front: `inference.server.`): a name
-    `VLLMServer` takes no parameter for (with the closest one it takes), one lit-rl sets itself, or
-    `extra_args` as one string. `also`: names the caller accepts besides (the evaluator's
-    `num_infer_gpus`)."""
+    with where they came from and the option's name (`where`: "inference.server.", "--server "): a
+    name `VLLMServer` takes no parameter for (with the closest one it takes), one lit-rl sets
+    itself, or `extra_args` as one string. `also`: names the caller accepts besides (the
+    evaluator's `num_infer_gpus`)."""
     from lit_rl.inference.server import VLLMServer, extra_args_problem
 
     parameters = inspect.signature(VLLMServer.__init__).parameters
@@ -46,7 +46,7 @@ def server_option_problems(options: dict, also: Iterable[str] = ()) -> list[str]
                             f"the options are {', '.join(accepted)}")
     if problem := extra_args_problem(options.get("extra_args", ())):
         problems.append(problem)
-    return problems
+    return [where + problem for problem in problems]
 
 
 def with_server_args(options: dict, args: Sequence[str], *, unless: Sequence[str] = ()) -> dict:

@@ -12,25 +12,22 @@ are also run, not only parsed (test_dataset_env.py, test_verifiers_env.py).
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import yaml
-from helpers import REPO
+from helpers import REPO, doc_yaml_blocks
 
 from lit_rl.server_options import EVALUATOR_SERVER_OPTIONS, server_option_problems
 
 EXAMPLES = REPO / "examples" / "reverse_text"
-BLOCK = re.compile(r"^```ya?ml\n(.*?)^```", flags=re.S | re.M)
 
 
 def doc_blocks() -> list[tuple[str, int, dict]]:
     blocks = []
     for page in sorted([*REPO.glob("docs/*.md"), REPO / "README.md"]):
-        for index, text in enumerate(BLOCK.findall(page.read_text())):
-            block = yaml.safe_load(text)
+        name = page.relative_to(REPO).as_posix()
+        for index, block in enumerate(doc_yaml_blocks(name)):
             if isinstance(block, dict) and {"model", "data", "trainer", "inference"} & set(block):
-                blocks.append((page.relative_to(REPO).as_posix(), index, without_ellipses(block)))
+                blocks.append((name, index, without_ellipses(block)))
     return blocks
 
 
@@ -83,7 +80,7 @@ def server_problems_in(config: dict) -> list[str]:
     problems = []
     for path, options in server_mappings(config):
         also = EVALUATOR_SERVER_OPTIONS if "callbacks" in path else ()
-        problems += [f"{'.'.join(map(str, path))}.{problem}" for problem in server_option_problems(options, also)]
+        problems += server_option_problems(options, where=".".join(map(str, path)) + ".", also=also)
     return problems
 
 

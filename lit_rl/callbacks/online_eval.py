@@ -93,8 +93,8 @@ class OnlineEval(L.Callback):
             raise ValueError(f"OnlineEval.intervals names unknown environments {sorted(unknown)}; known: {names}")
         if base_url and server:
             raise ValueError("OnlineEval: give base_url (an existing server) or server options, not both")
-        if problems := server_option_problems(server or {}, also=EVALUATOR_SERVER_OPTIONS):
-            raise ValueError("OnlineEval: " + "; ".join(f"server.{problem}" for problem in problems))
+        if problems := server_option_problems(server or {}, where="server.", also=EVALUATOR_SERVER_OPTIONS):
+            raise ValueError("OnlineEval: " + "; ".join(problems))
         self.plan = EvalPlan(envs=[e.to_config() for e in envs], interval=interval, intervals=dict(intervals or {}),
                              eval_base=eval_base)
         self.names = names

@@ -117,8 +117,8 @@ def first_checkpoint(root: Path, timeout: float | None, parent_pid: int | None) 
 def checked_server_options(options: dict) -> dict:
     """`--server`'s options, checked before anything starts (a misspelt option named, not a TypeError
     once the first checkpoint is found)."""
-    if problems := server_option_problems(options, also=EVALUATOR_SERVER_OPTIONS):
-        raise UserError("; ".join(f"--server {problem}" for problem in problems))
+    if problems := server_option_problems(options, where="--server ", also=EVALUATOR_SERVER_OPTIONS):
+        raise UserError("; ".join(problems))
     return options
 
 
