@@ -1,9 +1,10 @@
-"""Test helpers: the built-in tiny model's path and datasets written to real local files."""
+"""Test helpers: the built-in tiny model's path, datasets written to real local files, the docs' YAML."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -12,6 +13,14 @@ TINY_MODEL = str(REPO / "lit_rl" / "assets" / "tiny_qwen3")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def doc_yaml_blocks(page: str) -> list:
+    """The YAML code blocks of a page of the repo (e.g. "docs/environments.md"), parsed, in order."""
+    import yaml
+
+    text = (REPO / page).read_text()
+    return [yaml.safe_load(block) for block in re.findall(r"^```ya?ml\n(.*?)^```", text, flags=re.S | re.M)]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> str:

@@ -14,7 +14,7 @@ import json
 import datasets
 import pytest
 import reward_fns
-from helpers import TINY_MODEL, write_jsonl
+from helpers import TINY_MODEL, doc_yaml_blocks, write_jsonl
 from transformers import AutoTokenizer
 
 from lit_rl.data.rollout_traces import rollout_stats
@@ -251,15 +251,9 @@ def test_a_missing_extra_is_one_message_naming_it(monkeypatch, tmp_path):
 
 def test_the_yaml_in_docs_environments_builds_and_scores(tmp_path):
     """docs/environments.md's copy-paste YAML (on a jsonl of its row format) and its reasoning-gym block."""
-    import re
-
-    import yaml
-    from helpers import REPO
-
     from lit_rl.rollouts import ReasoningGymEnv
 
-    blocks = [yaml.safe_load(b) for b in re.findall(r"^```yaml\n(.*?)^```", (REPO / "docs/environments.md").read_text(),
-                                                      flags=re.S | re.M)]
+    blocks = doc_yaml_blocks("docs/environments.md")
     env_args = blocks[0]["data"]["init_args"]["env"]["init_args"]
     rows = [{"question": "What is 1/2 + 1/4?", "answer": "\\frac{3}{4}"}]
     env = DatasetEnv(**{**env_args, "path": write_jsonl(tmp_path / "math.jsonl", rows)})

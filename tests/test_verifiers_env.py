@@ -13,7 +13,7 @@ import json
 import pytest
 import vf_again
 import vf_reverse
-from helpers import REPO, TINY_MODEL
+from helpers import REPO, TINY_MODEL, doc_yaml_blocks
 from transformers import AutoTokenizer
 
 from lit_rl.inference.client import Completion, chat_prompt_ids
@@ -218,12 +218,7 @@ def test_lit_rl_evaluate_runs_a_verifiers_env_unchanged(vllm_server, tmp_path, m
 
 
 def test_the_yaml_in_docs_environments_builds_a_verifiers_env():
-    import re
-
-    import yaml
-
-    blocks = [yaml.safe_load(b) for b in re.findall(r"^```yaml\n(.*?)^```", (REPO / "docs/environments.md").read_text(),
-                                                      flags=re.S | re.M)]
+    blocks = doc_yaml_blocks("docs/environments.md")
     (env,) = [b["data"]["init_args"]["env"] for b in blocks if "VerifiersEnv" in str(b)]
     assert env["class_path"] == "lit_rl.rollouts.VerifiersEnv"
     built = VerifiersEnv(**{**env["init_args"], "taskset": "vf_reverse"})
