@@ -49,6 +49,28 @@ def server_option_problems(options: dict, where: str, also: Iterable[str] = ()) 
     return [where + problem for problem in problems]
 
 
+def completion_room_problem(max_tokens: int, options: dict, *, what: str, where: str) -> str | None:
+    """A completion limit that leaves no room for a prompt in the server's `max_model_len`, which
+    counts prompt and completion tokens together. vLLM (0.32) answers a request whose max_tokens is
+    above max_model_len with a 400, so a run (or an eval) would start its server and then fail every
+    request; at max_model_len it cuts every completion to what the prompt leaves, shorter than asked,
+    without a word. `what` names the limit ("data.max_tokens"), `where` the server's options
+    ("inference.server.")."""
+    model_len = options.get("max_model_len")
+    if isinstance(model_len, int) and max_tokens >= model_len:
+        return (f"{what} ({max_tokens}) leaves no room for a prompt in {where}max_model_len ({model_len}), which "
+                "counts prompt and completion tokens together: lower the one or raise the other")
+    return None
+
+
+def eval_room_problems(envs: Iterable, options: dict, where: str) -> list[str]:
+    """`completion_room_problem` for each eval environment's own `max_tokens` (its `sampling`),
+    against the options of the evaluator's server."""
+    problems = (completion_room_problem(env.sampling.max_tokens, options, what=f"environment {env.name}'s max_tokens",
+                                        where=where) for env in envs if getattr(env, "sampling", None) is not None)
+    return [p for p in problems if p]
+
+
 def with_server_args(options: dict, args: Sequence[str], *, unless: Sequence[str] = ()) -> dict:
     """`options` with `args` appended to their `extra_args`, unless those already name one of the
     flags `unless` (`--flag value` or `--flag=value`) or are a string."""

@@ -265,3 +265,31 @@ def test_a_misspelt_server_option_is_named_before_any_server_starts(tmp_path, ca
         err = capsys.readouterr().err
         assert e.value.code == 2 and f"argument {flag}: {said}" in err and "Traceback" not in err, err
     assert not (tmp_path / "evaluated" / "evals").exists()
+
+
+def test_an_eval_completion_limit_with_no_room_for_a_prompt_is_named_before_any_server(tmp_path, capsys):
+    """Before: `lit-rl evaluate --server '{"max_model_len": 48}'` with ReverseTextEnv (max_tokens 64)
+    started its server (40 s here), then every step's eval failed on vLLM's 400 ("max_tokens=64
+    cannot be greater than max_model_len=48") and the command exited 0; at max_model_len 64 vLLM cut
+    every completion to what the prompt left, without a word. OnlineEval handed both to its evaluator.
+    Training's sampler had this check; the evaluator's server now has it too."""
+    from lit_rl.callbacks import OnlineEval
+    from lit_rl.rollouts import ReverseTextEnv
+
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
+    for model_len in (48, 64):
+        with pytest.raises(ValueError, match=rf"OnlineEval: environment held_out's max_tokens \(64\) leaves no room "
+                                             rf"for a prompt in server.max_model_len \({model_len}\)"):
+            OnlineEval(envs=[ReverseTextEnv(path=data, name="held_out", num_examples=2)], server={"max_model_len": model_len})
+    OnlineEval(envs=[ReverseTextEnv(path=data, max_tokens=32, num_examples=2)], server={"max_model_len": 64})
+
+    weights = tmp_path / "evaluated" / "weights"
+    weights.mkdir(parents=True)
+    env = ["--env", "lit_rl.rollouts.ReverseTextEnv", "--env-args", '{"max_tokens": 100}']
+    err = user_error(["evaluate", "--weights-dir", str(weights), *env, "--server", '{"max_model_len": 64, "dtype": "float32"}'],
+                     capsys)
+    assert "environment reverse_text's max_tokens (100) leaves no room for a prompt in --server max_model_len (64)" in err, err
+    assert not (tmp_path / "evaluated" / "evals").exists()  # nothing started, nothing written
+    # with room: past the check, to the missing checkpoint (no server either)
+    with pytest.raises(SystemExit, match="no STABLE checkpoint"):
+        cli.main(["evaluate", "--weights-dir", str(weights), *env, "--server", '{"max_model_len": 128}'])

@@ -133,8 +133,8 @@ def test_every_source_problem_is_reported_at_once_before_any_server(data, tmp_pa
     code, _, stderr = lit_rl_main(grpo + ["--data.init_args.temperature", "0"])
     assert code == 1 and "data.temperature 0 is greedy: the 8 completions of a task (data.group_size)" in stderr, \
         stderr[-3000:]
-    # completions as long as the server's whole context: before, every request was refused (400)
-    # after the server's start, and the run failed after 16 rollouts in a row
+    # completions as long as the server's whole context: vLLM 0.32 refuses a longer max_tokens (400)
+    # after the server's start, every rollout, and cuts one this long to what the prompt leaves
     code, _, stderr = lit_rl_main(grpo + ["--data.init_args.max_tokens", "512"])
     assert code == 1 and "data.max_tokens (512) leaves no room for a prompt in inference.server.max_model_len (512)" \
         in stderr, stderr[-3000:]

@@ -31,7 +31,7 @@ from lit_rl.eval.logging import EvalLogger
 from lit_rl.eval.plan import EvalPlan, evals_dir
 from lit_rl.lora import adapter_base, is_adapter_dir, lora_server_options
 from lit_rl.run_dir import lease, stable_steps
-from lit_rl.server_options import EVALUATOR_SERVER_OPTIONS, server_option_problems
+from lit_rl.server_options import EVALUATOR_SERVER_OPTIONS, eval_room_problems, server_option_problems
 
 
 def json_object(text: str) -> dict:
@@ -114,10 +114,12 @@ def first_checkpoint(root: Path, timeout: float | None, parent_pid: int | None) 
         time.sleep(0.5)
 
 
-def checked_server_options(options: dict) -> dict:
+def checked_server_options(options: dict, envs: list | None) -> dict:
     """`--server`'s options, checked before anything starts (a misspelt option named, not a TypeError
-    once the first checkpoint is found)."""
-    if problems := server_option_problems(options, where="--server ", also=EVALUATOR_SERVER_OPTIONS):
+    once the first checkpoint is found), and against the environments' completion limits when they
+    are built here (beside training, OnlineEval checked them)."""
+    problems = server_option_problems(options, where="--server ", also=EVALUATOR_SERVER_OPTIONS)
+    if problems := problems + eval_room_problems(envs or [], options, where="--server "):
         raise UserError("; ".join(problems))
     return options
 
@@ -148,7 +150,7 @@ async def run(args: argparse.Namespace) -> None:
             envs = [instantiate(config) for config in plan.envs]
         except (ValueError, TypeError) as e:
             raise UserError(f"--env / --env-args or the plan's environments: {e}") from e
-    server_kwargs = with_gpu_split(checked_server_options(args.server))
+    server_kwargs = with_gpu_split(checked_server_options(args.server, None if args.base_url else envs))
     logger = EvalLogger(args.log_dir or evals_dir(root), args.wandb)
     model = None
     if not args.base_url:

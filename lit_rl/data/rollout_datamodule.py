@@ -54,6 +54,7 @@ from lit_rl.rollouts.filters import GibberishFilter, RepetitionFilter
 from lit_rl.rollouts.threaded import Interrupted, ThreadedRolloutBuffer
 from lit_rl.run_seed import order_seed
 from lit_rl.sampling_process import RAW, SamplingProcess
+from lit_rl.server_options import completion_room_problem
 
 log = logging.getLogger(__name__)
 
@@ -239,11 +240,9 @@ class RolloutDataModule(L.LightningDataModule):
                             "dr_grpo divides every sequence's loss by it, so it must be at least the longest completion")
         sampler, options = ("server", self.runtime.server) if self.source == "policy" else (
             "teacher_server", self.runtime.teacher_server)
-        model_len = options.get("max_model_len")
-        if isinstance(model_len, int) and self.max_tokens >= model_len:  # vLLM would refuse every request (400)
-            problems.append(f"data.max_tokens ({self.max_tokens}) leaves no room for a prompt in "
-                            f"inference.{sampler}.max_model_len ({model_len}), which counts prompt and completion "
-                            "tokens together: lower the one or raise the other")
+        if problem := completion_room_problem(self.max_tokens, options, what="data.max_tokens",
+                                              where=f"inference.{sampler}."):
+            problems.append(problem)
         if self.source == "policy" and not self.sampling_process.is_identity and self.runtime.base_url and (
                 self.runtime.logprobs_mode != "processed_logprobs"):
             problems.append(f"data.temperature {self.temperature}, top_p {self.top_p}, top_k {self.top_k} sample from "
