@@ -167,6 +167,11 @@ def test_evaluate_on_a_run_without_checkpoints_fails_at_once(tmp_path):
     assert time.monotonic() - started < 30
     assert f"no STABLE checkpoint under {tmp_path / 'weights'}" in str(e.value.code)
     assert "give --follow" in str(e.value.code)
+    # on a server of the user's: before, it evaluated nothing and exited 0 (no server is reached here)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["evaluate", "--weights-dir", str(tmp_path / "weights"), "--env", "lit_rl.rollouts.ReverseTextEnv",
+                  "--base-url", "http://127.0.0.1:9/v1"])
+    assert f"no STABLE checkpoint under {tmp_path / 'weights'}" in str(e.value.code)
 
 
 def test_a_dataset_env_with_a_missing_column_and_a_bad_reward_is_one_message(tmp_path, capsys):

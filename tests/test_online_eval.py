@@ -114,6 +114,54 @@ def test_done_log_survives_restart_and_forgets_the_future(tmp_path):
     assert not DoneLog(tmp_path).handled(200, "a") and DoneLog(tmp_path).handled(100, "a")
 
 
+def test_evaluate_on_a_finished_run_exits_1_naming_what_failed_and_a_rerun_tries_it_again(tmp_path, vllm_server,
+                                                                                          monkeypatch, caplog):
+    """`lit-rl evaluate` on a finished run, against the session's server. Before: an eval that
+    failed on every step (here vLLM's 400 for a max_tokens above its max_model_len) was logged and
+    the command exited 0; the rerun after the fix found those evals in done.jsonl (status failed),
+    evaluated nothing and exited 0 too, without a word. Now the run exits 1 naming the evals and the
+    error, a rerun evaluates what failed, and one more rerun says there is nothing left."""
+    import shutil
+    import uuid
+
+    from lit_rl import cli
+    from lit_rl.run_dir import step_dir
+    from helpers import reverse_rows, write_jsonl
+
+    run_root = vllm_server.root / f"evaluate_{uuid.uuid4().hex[:8]}"  # inside the server's reload root
+    for step in (0, 1):
+        shutil.copytree(vllm_server.model_dir, step_dir(run_root, step))
+    monkeypatch.setattr(sys, "argv", ["lit-rl"])
+    data = write_jsonl(tmp_path / "test.jsonl", reverse_rows(2))
+
+    def evaluate(max_tokens: int) -> None:
+        env_args = {"path": data, "name": "rt", "max_tokens": max_tokens}
+        cli.main(["evaluate", "--run-dir", str(run_root), "--base-url", vllm_server.base_url,
+                  "--env", "lit_rl.rollouts.ReverseTextEnv", "--env-args", json.dumps(env_args)])
+
+    def logged_steps() -> list[int]:
+        return sorted(int(r["step"]) for r in read_eval_metrics(run_root / "evals") if r["name"] == "eval/rt/reward")
+
+    try:
+        with pytest.raises(SystemExit) as failed:
+            evaluate(2000)  # the session server's max_model_len is 1024
+        message = str(failed.value.code)
+        assert message.startswith("lit-rl evaluate: 2 of 2 evals failed (a rerun tries them again): rt at steps 0, 1: "
+                                  "InferenceRequestError"), message
+        assert "max_tokens=2000 cannot be greater than max_model_len=1024" in message, message
+        assert logged_steps() == []
+        evaluate(8)  # fixed: what failed is evaluated, and the command ends normally
+        assert logged_steps() == [0, 1]
+        assert DoneLog(run_root).entries == {(0, "rt"): "ok", (1, "rt"): "ok"}
+        caplog.clear()
+        with caplog.at_level("INFO", logger="lit_rl.evaluator"):
+            evaluate(8)
+        assert "nothing to evaluate: every due eval of the checkpoints" in caplog.text, caplog.text
+        assert logged_steps() == [0, 1]  # nothing evaluated twice
+    finally:
+        shutil.rmtree(run_root)
+
+
 @pytest.fixture(scope="module")
 def reverse_data(tmp_path_factory):
     out = tmp_path_factory.mktemp("reverse_data")

@@ -153,6 +153,8 @@ async def run(args: argparse.Namespace) -> None:
     server_kwargs = with_gpu_split(checked_server_options(args.server, None if args.base_url else envs))
     logger = EvalLogger(args.log_dir or evals_dir(root), args.wandb)
     model = None
+    if args.base_url and not args.follow:
+        first_checkpoint(root, None, None)  # a finished run with nothing to evaluate is an error, not an exit 0
     if not args.base_url:
         model = first_checkpoint(root, args.start_timeout if args.follow else None, args.parent_pid)
         server_kwargs.setdefault("log_path", str(evals_dir(root) / "vllm.log"))
@@ -176,6 +178,21 @@ async def run(args: argparse.Namespace) -> None:
                 await evaluator.run()
             finally:
                 logger.close()
+    if not args.follow:
+        say_outcome(evaluator, root)
+
+
+def say_outcome(evaluator: Evaluator, root: Path) -> None:
+    """The end of a standalone run: exit 1 naming the evals that failed (each was logged as it
+    failed; a rerun tries them again), or say that there was nothing left to evaluate (every due
+    eval of the run's checkpoints has succeeded before: its results are in evals/)."""
+    if failed := evaluator.failures():
+        raise SystemExit(f"lit-rl evaluate: {sum(map(bool, evaluator.attempted.values()))} of "
+                         f"{len(evaluator.attempted)} evals failed (a rerun tries them again): " + "; ".join(failed))
+    if not evaluator.attempted:
+        logging.getLogger("lit_rl.evaluator").info(
+            "evaluator: nothing to evaluate: every due eval of the checkpoints under %s succeeded before (%s)",
+            root / "weights", evaluator.done.path)
 
 
 def share_cores_with_training(args: argparse.Namespace) -> None:

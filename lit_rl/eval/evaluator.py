@@ -9,6 +9,11 @@ final step always runs every eval. A failed reload
 as failed, and it goes on. A server it started that died or hangs is restarted
 (`ServerRestarts`, at most `--max-server-restarts`) and the step's failed evals run again. It
 never touches the trainer: the filesystem is the hand-off (lit_rl/eval/plan.py).
+
+Standalone (`lit-rl evaluate` on a finished run) it evaluates every due eval that has not
+succeeded: those in no record, and those that failed or were skipped before (beside training, or
+in an earlier standalone run, which a user reruns after fixing what failed), each once; then it
+says what failed (`failures`), so that the command can exit 1.
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ class Evaluator:
         if len(set(names)) != len(names):
             raise ValueError(f"evaluator: environment names must be unique, got {names}")
         self.done = DoneLog(root)
+        self.attempted: dict[tuple[int, str], str | None] = {}  # (step, env) run here -> its error, None: ok
 
     # ---- what is due -------------------------------------------------------------------------------
     def final_step(self) -> int | None:
@@ -88,10 +94,27 @@ class Evaluator:
             if final is not None and step > final:
                 continue
             due = set(self.plan.due(step, [e.name for e in self.envs], final))
-            envs = [e for e in self.envs if e.name in due and not self.done.handled(step, e.name)]
+            envs = [e for e in self.envs if e.name in due and self.to_do(step, e.name)]
             if envs:
                 out[step] = envs
         return out
+
+    def to_do(self, step: int, name: str) -> bool:
+        """Not in the done log; standalone, also failed or skipped before, unless tried in this run."""
+        status = self.done.entries.get((step, name))
+        if self.standalone and status in ("failed", "skipped"):
+            return (step, name) not in self.attempted
+        return status is None
+
+    def failures(self) -> list[str]:
+        """The evals this process ran that did not succeed, one line per environment and error:
+        `<env> at steps 0, 10: <error>`."""
+        steps: dict[tuple[str, str], list[int]] = {}
+        for (step, name), error in sorted(self.attempted.items()):
+            if error:
+                steps.setdefault((name, error), []).append(step)
+        return [f"{name} at step{'s' if len(s) > 1 else ''} {', '.join(map(str, s))}: {error}"
+                for (name, error), s in steps.items()]
 
     def finished(self, final: int | None) -> bool:
         if final is None:
@@ -157,6 +180,7 @@ class Evaluator:
     async def _evaluate_step(self, step: int, envs: list[Environment]) -> Exception | None:
         """The step's evals; the error that stopped them (its evals recorded as failed), if any."""
         step_path = self.root / "weights" / f"step_{step}"
+        self.attempted.update({(step, env.name): "not run" for env in envs})
         try:
             with lease(step_path, f"evaluator-{os.getpid()}"):
                 if not (step_path / STABLE).is_file():
@@ -172,8 +196,9 @@ class Evaluator:
         except Exception as e:  # noqa: BLE001 - a failed eval must never stop training
             log.error("evaluator: step %s failed (%s: %s); skipping its evals", step, type(e).__name__, e)
             for env in envs:
-                if not self.done.handled(step, env.name):
+                if self.done.entries.get((step, env.name)) != "ok":  # the step's evals that did not finish
                     self.done.record(step, env.name, "failed", error=f"{type(e).__name__}: {e}")
+                    self.attempted[(step, env.name)] = f"{type(e).__name__}: {e}"
             return e
         return None
 
@@ -191,4 +216,5 @@ class Evaluator:
                 for t in run.traces:
                     f.write(json.dumps(t) + "\n")
         self.done.record(step, env.name, "ok")
+        self.attempted[(step, env.name)] = None
         log.info("evaluator: step %s %s %s (%.1f s)", step, env.name, metrics, time.perf_counter() - started)
