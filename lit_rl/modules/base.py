@@ -29,6 +29,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
 
 from lit_rl.errors import ConfigError
 from lit_rl.chunked_head import DEFAULT_CHUNK_SIZE, selected_cross_entropy_sum, selected_token_logprobs
@@ -41,7 +42,7 @@ from lit_rl.lora import (
     has_adapter,
 )
 from lit_rl.losses import masked_cross_entropy_sum, shifted_token_logprobs, token_entropy
-from lit_rl.modules.model_loading import load_causal_lm
+from lit_rl.modules.model_loading import load_causal_lm, turn_off_dropout
 from lit_rl.modules.step import TrainingStep, trained_tokens
 from lit_rl.optim import build_lr_scheduler, trainer_total_steps
 from lit_rl.sampling_process import RAW, SamplingProcess
@@ -71,6 +72,7 @@ class CausalLMModule(TrainingStep, L.LightningModule):
         head_chunk_size: int = DEFAULT_CHUNK_SIZE,
         sharding: FSDP2Options | None = None,
         lora: LoRAOptions | None = None,
+        disable_dropout: bool = False,
     ):
         """
         Args:
@@ -99,9 +101,19 @@ class CausalLMModule(TrainingStep, L.LightningModule):
             lora: train a LoRA adapter (`lit_rl.lora.LoRAOptions`: rank, alpha, dropout, target modules)
                 instead of every weight: the base is frozen, only the adapter is in the optimizer, and RL
                 weight syncs send only the adapter to vLLM (docs/lora.md). None: full fine-tuning.
+            disable_dropout: train with the model's dropout off (`turn_off_dropout` in
+                lit_rl/modules/model_loading.py). Off for SFT, where dropout regularises as the model's
+                authors set it; GRPO and OPD turn it on by default, as TRL's trainers do: their losses
+                compare the trainer's log-probabilities with those of the sampler, which runs without
+                dropout, so dropout would add noise to every ratio and bias the KL terms. The exported
+                config keeps the model's dropout values.
         """
         if head_chunk_size < 1:
             raise ValueError(f"model.head_chunk_size must be >= 1, got {head_chunk_size}")
+        if disable_dropout and lora is not None and lora.dropout > 0:
+            raise ValueError(f"model.lora.dropout {lora.dropout} asks for dropout on the adapter, and model.disable_dropout "
+                             "true (GRPO's and OPD's default) for none while training: set lora.dropout 0, or "
+                             "disable_dropout false")
         super().__init__()
         self.model_name = model
         self.random_init = random_init
@@ -117,6 +129,7 @@ class CausalLMModule(TrainingStep, L.LightningModule):
         self.head_chunk_size = head_chunk_size
         self.sharding = sharding or FSDP2Options()
         self.lora = lora
+        self.disable_dropout = disable_dropout
         self._head_is_plain: dict[int, bool] = {}  # per model (id): does its forward apply its head and nothing else?
         self.model = None  # built in configure_model
         self.automatic_optimization = False
@@ -139,6 +152,9 @@ class CausalLMModule(TrainingStep, L.LightningModule):
             )
             if self.gradient_checkpointing:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.disable_dropout and not has_adapter(self.model):  # before the adapter: its own dropout is lora's
+            if turned_off := turn_off_dropout(self.model):
+                rank_zero_info(f"model: {turned_off} dropout probabilities set to 0 for training (model.disable_dropout)")
         if self.lora is not None and not has_adapter(self.model):
             self.model = add_adapter(self.model, self.lora)
         self.before_sharding()

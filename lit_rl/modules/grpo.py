@@ -58,6 +58,7 @@ class GRPO(CausalLMModule):
         reference_model: str | None = None,
         log_entropy: bool = True,
         updates_per_batch: int = 1,
+        disable_dropout: bool = True,
         **kwargs,
     ):
         """
@@ -81,9 +82,11 @@ class GRPO(CausalLMModule):
             updates_per_batch: optimizer steps on each rollout batch (each on the whole batch,
                 TRL's ``num_iterations``); the clipped ratio is to the weights of the batch's
                 first update. ``trainer.max_steps`` still counts optimizer steps.
+            disable_dropout: train with the model's dropout off (the `CausalLMModule` argument; on
+                here: the loss compares the trainer's log-probabilities with the sampler's, which has none).
             *args, **kwargs: the `CausalLMModule` arguments (model, optimizer, ...).
         """
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, disable_dropout=disable_dropout, **kwargs)
         problems = check_policy_loss_options(loss_type, is_correction, clip_low, clip_high, is_cap, max_completion_length)
         if kl_coef < 0:
             problems.append(f"kl_coef must be >= 0, got {kl_coef}")

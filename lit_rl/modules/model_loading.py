@@ -48,3 +48,23 @@ def load_causal_lm(
     # from_pretrained returns eval mode and Lightning leaves it so (DESIGN.md): train explicitly.
     model.train()
     return model
+
+
+def turn_off_dropout(model: torch.nn.Module) -> int:
+    """Turn off every dropout of `model` in training mode; returns how many were above 0.
+
+    Each `nn.Dropout`-like module gets p 0, and each float attribute of a module named like
+    `*dropout*` is set to 0: that is the probability HF attention passes to
+    `scaled_dot_product_attention` while training (Qwen3's and Llama's `attention_dropout`, Falcon's
+    `hidden_dropout`), which no dropout module sees. The config is left as it is, so exported
+    checkpoints keep the model's own values."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            count += module.p > 0
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                count += value > 0
+                setattr(module, name, 0.0)
+    return int(count)

@@ -65,6 +65,7 @@ class OPD(CausalLMModule):
         advantage_baseline: str = "step_mean",
         advantage_clip: float | None = 1.0,
         log_entropy: bool = True,
+        disable_dropout: bool = True,
         **kwargs,
     ):
         """
@@ -99,9 +100,11 @@ class OPD(CausalLMModule):
                 divergences have no advantage and ignore it.
             log_entropy: log the mean entropy of the distributions the completion tokens were
                 sampled from (an extra pass over each head chunk, no backward).
+            disable_dropout: train with the model's dropout off (the `CausalLMModule` argument; on
+                here: the loss compares the trainer's log-probabilities with the sampler's, which has none).
             *args, **kwargs: the `CausalLMModule` arguments (model, optimizer, ...).
         """
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, disable_dropout=disable_dropout, **kwargs)
         problems = (check_behaviour_options(is_correction, is_cap) + check_divergence_options(divergence, beta)
                     + check_advantage_options(advantage_baseline, advantage_clip))
         if not isinstance(teacher_top_k, int) or isinstance(teacher_top_k, bool) or teacher_top_k < 1:
