@@ -102,6 +102,36 @@ def test_generate_returns_ids_text_and_hf_logprobs(vllm_server):
     assert tok.decode(chat[0].prompt_ids) == expected
 
 
+def test_requests_say_all_their_sampling_whatever_the_servers_generation_defaults(vllm_server):
+    """The session server fills what a request leaves out from its checkpoint's generation_config.json
+    (`--generation-config auto`, vLLM's default; GREEDY_DEFAULTS: top_k 1). Before, lit-rl's requests
+    left top_k, min_p and repetition_penalty out: at temperature 1 the 8 rollouts of a prompt came
+    back as one greedy completion here, and from a plain `vllm serve` of Qwen3 every rollout was
+    drawn from its top 20 tokens while the trainer computed the untruncated distribution."""
+    import openai
+
+    prompt = PROMPTS[0]
+
+    async def go():
+        async with vllm_server.client() as client:
+            ours = await client.generate(prompt, max_tokens=12, n=8, temperature=1.0)
+            scored = await client.score(prompt + ours[0].completion_ids)
+        raw = openai.AsyncOpenAI(base_url=vllm_server.base_url, api_key="unused")
+        try:
+            model = (await raw.models.list()).data[0].id
+            left_to_the_server = await raw.completions.create(model=model, prompt=prompt, max_tokens=12, n=8,
+                                                              temperature=1.0, top_p=1.0)
+        finally:
+            await raw.close()
+        return ours, scored, [c.text for c in left_to_the_server.choices]
+
+    ours, scored, control = run(go())
+    assert len(set(control)) == 1  # the server does apply its defaults to what is left out
+    assert len({tuple(c.completion_ids) for c in ours}) == 8
+    # the sampled tokens' logprobs are the model's own (T=1, nothing cut), as its score of them says
+    assert max_diff(ours[0].logprobs, scored[len(prompt):]) < LOGPROB_TOL
+
+
 def test_teacher_scoring_matches_hf(vllm_server):
     ids = PROMPTS[3] + [258, 64, 82, 256, 198] + PROMPTS[1]
 

@@ -13,11 +13,18 @@ other steps; afterwards the fixture reloads step 0 so the next test finds the or
 The server is served as float32 (vLLM on CPU would make it bfloat16) and eager (starts in about
 25 s instead of 50 s on 2 cores); its log is `root/vllm.log`. It is stopped, with its whole
 process group, at the end of the session, whatever the tests did.
+
+It runs with vLLM's own default, `--generation-config auto` (what a plain `vllm serve` does, and
+what a user's server for `inference.base_url` may do), on a checkpoint whose
+generation_config.json asks for top_k 1 (`GREEDY_DEFAULTS`): a request that left any sampling
+parameter to the server would sample greedily, so every test that draws samples from it checks
+that lit-rl's requests say all of their sampling (`InferenceClient.generate`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +35,12 @@ from helpers import TINY_MODEL
 from lit_rl.inference.server import VLLMServer
 from lit_rl.run_dir import STABLE, step_dir
 
-__all__ = ["ServedTinyModel", "write_tiny_checkpoint", "vllm_session_server", "vllm_server"]
+__all__ = ["GREEDY_DEFAULTS", "ServedTinyModel", "write_tiny_checkpoint", "vllm_session_server", "vllm_server"]
+
+# The session checkpoint's generation defaults: Qwen3 ships top_k 20, top_p 0.95, temperature 0.6;
+# these make any request that leaves sampling to the server greedy, and unmistakably so.
+GREEDY_DEFAULTS = {"do_sample": True, "top_k": 1, "top_p": 0.5, "temperature": 0.6, "min_p": 0.5,
+                   "repetition_penalty": 1.5}
 
 
 def write_tiny_checkpoint(path: Path, seed: int, logit_scale: float = 1.0) -> Path:
@@ -84,11 +96,13 @@ class ServedTinyModel:
 def vllm_session_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_run")
     model_dir = write_tiny_checkpoint(step_dir(root, 0), seed=0)
+    defaults = json.loads((model_dir / "generation_config.json").read_text())
+    (model_dir / "generation_config.json").write_text(json.dumps({**defaults, **GREEDY_DEFAULTS}))
     # vLLM's multiprocessing executor (engine core and worker apart), not the one-process layout
     # lit-rl gives a CPU server by default (lit_rl/inference/cpu_engine.py), which the servers the
     # end-to-end tests start have: the suite runs both, and the worker's queue patch has its queue.
     server = VLLMServer(model_dir, dtype="float32", max_model_len=1024, enforce_eager=True,
-                        log_path=root / "vllm.log", allowed_root=root, startup_timeout=300,
+                        log_path=root / "vllm.log", allowed_root=root, startup_timeout=300, generation_config="auto",
                         extra_args=["--distributed-executor-backend", "mp"])
     with server:  # stops the process group on exit, even when tests fail or are interrupted
         yield ServedTinyModel(server=server, root=root, model_dir=model_dir)

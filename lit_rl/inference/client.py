@@ -42,6 +42,10 @@ from lit_rl.run_dir import STABLE, lease, step_of, sync_dir, weights_dir
 
 log = logging.getLogger(__name__)
 
+# The neutral values of vLLM's sampling parameters that a request may leave out, sent when the caller
+# sets none (see `InferenceClient.generate`); top_k -1 is "off" on every vLLM (0 is too since 0.8).
+UNSET_SAMPLING = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
 
 class InferenceServerError(RuntimeError):
     """The server is unreachable, died, timed out or kept failing (5xx) after the bounded retries."""
@@ -184,8 +188,14 @@ class InferenceClient:
         ignore_eos: bool = False,
         extra_body: dict | None = None,
     ) -> list[Completion]:
-        """`n` samples continuing `prompt_ids`, each with its ids and per-token logprobs."""
-        body = {"return_token_ids": True, **(extra_body or {})}
+        """`n` samples continuing `prompt_ids`, each with its ids and per-token logprobs.
+
+        Every sampling parameter vLLM takes defaults for is sent, the unset ones at their neutral
+        value (`UNSET_SAMPLING`): a server started with vLLM's default `--generation-config auto`
+        (a plain `vllm serve`) fills what a request leaves out from the model's
+        generation_config.json (Qwen3's top_k 20), and the samples would come from a distribution
+        that neither the request nor the trainer's log-probabilities describe."""
+        body = {"return_token_ids": True, **UNSET_SAMPLING, **(extra_body or {})}
         if top_k is not None:
             body["top_k"] = top_k
         if stop_token_ids:
@@ -194,7 +204,7 @@ class InferenceClient:
             body["ignore_eos"] = True
         optional = {"seed": seed, "stop": list(stop) if stop else None}
         settings = {"model": await self._model_name(), "max_tokens": max_tokens, "n": n, "temperature": temperature,
-                    "top_p": top_p, "logprobs": 0, "extra_body": body,
+                    "top_p": top_p, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logprobs": 0, "extra_body": body,
                     **{k: v for k, v in optional.items() if v is not None}}
         choices = await self._submit("generate", prompt_ids, settings)
         return [self._completion(c) for c in sorted(choices, key=lambda c: c.index)]
@@ -223,7 +233,7 @@ class InferenceClient:
         `--max-logprobs`, 20 by default)."""
         (choice,) = await self._submit("score", ids, {
             "model": await self._model_name(), "max_tokens": 1, "temperature": 0.0,
-            "extra_body": {"prompt_logprobs": k, "return_token_ids": True}})
+            "extra_body": {**UNSET_SAMPLING, "prompt_logprobs": k, "return_token_ids": True}})
         # per position a dict token id -> {logprob, rank}: the k most likely tokens and the actual one
         entries = (choice.model_extra or {}).get("prompt_logprobs")
         if not isinstance(entries, list) or len(entries) != len(ids):
