@@ -6,6 +6,7 @@ others call `lit_rl.cli.main` in this process, which is the same code minus the 
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -298,3 +299,28 @@ def test_an_eval_completion_limit_with_no_room_for_a_prompt_is_named_before_any_
     # with room: past the check, to the missing checkpoint (no server either)
     with pytest.raises(SystemExit, match="no STABLE checkpoint"):
         cli.main(["evaluate", "--weights-dir", str(weights), *env, "--server", '{"max_model_len": 128}'])
+
+
+def test_reverse_text_rows_without_a_chat_or_a_user_turn_are_named_before_any_server(tmp_path, capsys):
+    """Before: a `prompt`/`completion` file was "data.env (ReverseTextEnv): 'messages'" (a bare KeyError),
+    a row without a user turn a StopIteration traceback, and `lit-rl evaluate` read neither until its
+    server had started (or, on a server of the user's, failed each step and exited 0)."""
+    from helpers import TINY_MODEL
+
+    completions = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "abc", "completion": "cba"}])
+    no_user = write_jsonl(tmp_path / "no_user.jsonl", reverse_rows(2) + [{"messages": [{"role": "assistant", "content": "x"}]}])
+    grpo = ["fit", "--config", "examples/reverse_text/grpo.yaml", "--model.init_args.model", TINY_MODEL,
+            "--trainer.default_root_dir", str(tmp_path / "run")]
+    err = user_error([*grpo, "--data.init_args.env.init_args.path", completions], capsys)
+    assert f"ReverseTextEnv: {completions} has no 'messages' column (columns: ['prompt', 'completion'])" in err, err
+    err = user_error([*grpo, "--data.init_args.env.init_args.path", no_user], capsys)
+    assert f"ReverseTextEnv: row 2 of {no_user} has no user turn with text content" in err, err
+    assert not list(tmp_path.glob("run/**/vllm*.log"))  # refused before any server started
+
+    weights = tmp_path / "evaluated" / "weights"
+    weights.mkdir(parents=True)
+    for path, said in ((completions, "has no 'messages' column"), (no_user, "row 2 of")):
+        err = user_error(["evaluate", "--weights-dir", str(weights), "--env", "lit_rl.rollouts.ReverseTextEnv",
+                          "--env-args", json.dumps({"path": path}), "--base-url", "http://127.0.0.1:9/v1"], capsys)
+        assert "--env / --env-args or the plan's environments: ReverseTextEnv:" in err and said in err, err
+    assert not (tmp_path / "evaluated" / "evals").exists()

@@ -148,7 +148,9 @@ async def run(args: argparse.Namespace) -> None:
         # after the server starts, as before this check existed.)
         try:
             envs = [instantiate(config) for config in plan.envs]
-        except (ValueError, TypeError) as e:
+            for env in envs:  # their rows read now (and kept): a missing file, column or row said here too
+                env.tasks()
+        except (ValueError, TypeError, KeyError, FileNotFoundError, ImportError) as e:
             raise UserError(f"--env / --env-args or the plan's environments: {e}") from e
     server_kwargs = with_gpu_split(checked_server_options(args.server, None if args.base_url else envs))
     logger = EvalLogger(args.log_dir or evals_dir(root), args.wandb)

@@ -245,9 +245,15 @@ class ReverseTextEnv(Environment):
 
     def load_tasks(self) -> list[dict]:
         rows = open_split(self.path)
+        if "messages" not in rows.column_names:
+            raise ValueError(f"ReverseTextEnv: {self.path} has no 'messages' column (columns: {rows.column_names}); "
+                             "it reads chat rows and reverses each one's first user turn")
         tasks = []
-        for i, row in enumerate(rows):
-            user = next(m for m in row["messages"] if m["role"] == "user")
+        for i, messages in enumerate(rows["messages"]):
+            user = next((m for m in messages or [] if isinstance(m, dict) and m.get("role") == "user"), None)
+            if user is None or not isinstance(user.get("content"), str):
+                raise ValueError(f"ReverseTextEnv: row {i} of {self.path} has no user turn with text content: "
+                                 f"{messages!r:.200}")
             tasks.append({"id": str(i), "prompt": [{"role": "user", "content": user["content"]}], "text": user["content"]})
         return tasks
 
