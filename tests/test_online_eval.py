@@ -162,6 +162,52 @@ def test_evaluate_on_a_finished_run_exits_1_naming_what_failed_and_a_rerun_tries
         shutil.rmtree(run_root)
 
 
+def test_eval_prompts_are_rendered_as_training_renders_them(tmp_path, vllm_server, monkeypatch):
+    """Before: an eval's prompts were rendered without the training data's chat template variables
+    (a model trained with `enable_thinking: false` was evaluated on prompts that open a thinking
+    block) and without the task's tools (DatasetEnv's `tools_column`), both of which its rollouts
+    have. Now the plan carries the variables (OnlineEval takes them from the training data, `lit-rl
+    evaluate --chat-template-kwargs` sets them) and evals render prompts with them and the tools.
+    The prompts are read where the client sends them to the real server."""
+    import shutil
+    import uuid
+
+    from transformers import AutoTokenizer
+
+    from lit_rl import cli
+    from lit_rl.inference.client import InferenceClient, chat_prompt_ids
+    from lit_rl.run_dir import step_dir
+    from helpers import TINY_MODEL, write_jsonl
+
+    tool = {"type": "function", "function": {"name": "calc", "description": "adds", "parameters": {"type": "object"}}}
+    rows = [{"prompt": "What is 2 + 2?", "answer": "4", "tools": json.dumps([tool])}]
+    env_args = {"path": write_jsonl(tmp_path / "rows.jsonl", rows), "rewards": ["lit_rl.rewards.exact_match"],
+                "tools_column": "tools", "max_tokens": 4, "name": "calc"}
+    sent = []
+    generate = InferenceClient.generate
+
+    async def recording(self, prompt_ids, **kwargs):
+        sent.append(list(prompt_ids))
+        return await generate(self, prompt_ids, **kwargs)
+
+    monkeypatch.setattr(InferenceClient, "generate", recording)
+    monkeypatch.setattr(sys, "argv", ["lit-rl"])
+    run_root = vllm_server.root / f"evaluate_{uuid.uuid4().hex[:8]}"  # inside the server's reload root
+    shutil.copytree(vllm_server.model_dir, step_dir(run_root, 0))
+    try:
+        cli.main(["evaluate", "--run-dir", str(run_root), "--base-url", vllm_server.base_url,
+                  "--env", "lit_rl.rollouts.DatasetEnv", "--env-args", json.dumps(env_args),
+                  "--chat-template-kwargs", '{"enable_thinking": false}'])
+    finally:
+        shutil.rmtree(run_root)
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    expected = chat_prompt_ids(tokenizer, messages, [tool], {"enable_thinking": False})
+    assert sent == [expected], tokenizer.decode(sent[0])
+    assert expected != chat_prompt_ids(tokenizer, messages, None, None)  # neither is a no-op for this template
+    assert expected != chat_prompt_ids(tokenizer, messages, [tool], None)
+
+
 @pytest.fixture(scope="module")
 def reverse_data(tmp_path_factory):
     out = tmp_path_factory.mktemp("reverse_data")
@@ -285,8 +331,13 @@ def test_vanished_checkpoint_is_skipped_and_training_succeeds(tmp_path, reverse_
     envs = [{"class_path": "online_eval_helpers.DeleteFinalStepAtBase",
              "init_args": {"path": str(reverse_data / "test.jsonl"), "num_examples": 5}}]
     config = write_config(tmp_path, reverse_data, steps=6, interval=3, envs=envs, base_url=vllm_server.base_url)
+    settings = yaml.safe_load(config.read_text())
+    settings["data"]["init_args"]["chat_template_kwargs"] = {"enable_thinking": False}
+    config.write_text(yaml.safe_dump(settings))
     fit_on_shared_server(config, vllm_server)
     root = tmp_path / "run"
+    # the training data's chat template variables go to the evaluator, whose prompts render with them
+    assert json.loads((root / "evals" / "plan.json").read_text())["chat_template_kwargs"] == {"enable_thinking": False}
     done = [json.loads(line) for line in open(root / "evals" / "done.jsonl")]
     status = {d["step"]: d["status"] for d in done}
     assert status[0] == "ok" and status[6] == "failed"

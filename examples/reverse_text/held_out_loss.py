@@ -39,7 +39,7 @@ class HeldOutLoss(Environment):
         total, tokens = 0.0, 0
         with torch.no_grad():
             for task in self.tasks():
-                chat = render_messages(tokenizer, task["messages"])
+                chat = render_messages(tokenizer, task["messages"], chat_template_kwargs=run.chat_template_kwargs)
                 ids = torch.tensor([chat.input_ids])
                 mask = torch.tensor([chat.loss_mask])
                 total += masked_cross_entropy_sum(model(input_ids=ids, use_cache=False).logits, ids, mask).item()

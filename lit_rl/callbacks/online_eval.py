@@ -66,6 +66,7 @@ class OnlineEval(L.Callback):
         server: dict | None = None,
         final_timeout: float = 900.0,
         cpus: list[int] | None = None,
+        chat_template_kwargs: dict | None = None,
     ):
         """
         Args:
@@ -82,6 +83,9 @@ class OnlineEval(L.Callback):
             cpus: CPU cores for the evaluator and the vLLM CPU server it starts, e.g. the cores
                 training leaves free (pin training with ``taskset``). None: no pinning, so on a
                 CPU machine both compete for the same cores.
+            chat_template_kwargs: the chat template's variables eval prompts are rendered with (e.g.
+                ``{enable_thinking: false}``); None: the training data's (``data.init_args.chat_template_kwargs``),
+                so a model is evaluated on prompts rendered as it was trained on them.
         """
         if interval < 1 or any(v < 1 for v in (intervals or {}).values()):
             raise ValueError(f"OnlineEval: intervals must be >= 1, got interval={interval}, intervals={intervals}")
@@ -102,6 +106,7 @@ class OnlineEval(L.Callback):
         self.base_url, self.api_key, self.server = base_url, api_key, dict(server or {})
         self.final_timeout = final_timeout
         self.cpus = check_cpus(cpus)
+        self.chat_template_kwargs = chat_template_kwargs
         self.export: HFExport | None = None
         self.runtime: InferenceRuntime | None = None
 
@@ -142,6 +147,8 @@ class OnlineEval(L.Callback):
             else:
                 DoneLog(root).forget_after(trainer.global_step)
             clear_final_step(root)
+            self.plan.chat_template_kwargs = dict(self.chat_template_kwargs if self.chat_template_kwargs is not None
+                                                  else getattr(trainer.datamodule, "chat_template_kwargs", None) or {})
             self.plan.save(root)
         trainer.strategy.barrier("online_eval_plan")
         if trainer.global_step == 0 and self.plan.eval_base:

@@ -57,6 +57,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--plan", help="plan.json (default: <run dir>/evals/plan.json)")
     p.add_argument("--env", action="append", default=[], help="environment class path (repeatable)")
     p.add_argument("--env-args", type=json_object, action="append", default=[], help="JSON init args of the --env at the same position")
+    p.add_argument("--chat-template-kwargs", type=json_object, default=None,
+                   help="JSON of the chat template's variables for eval prompts, e.g. '{\"enable_thinking\": false}' "
+                        "(default: the plan's, which OnlineEval takes from the training data; with --env: none)")
     p.add_argument("--log-dir", help="where eval_metrics.csv goes (default: <run dir>/evals)")
     p.add_argument("--wandb", type=json_object, default=None, help="JSON of wandb.init arguments to join the trainer's run")
     p.add_argument("--follow", action="store_true", help="keep watching until the trainer's final step is evaluated")
@@ -87,11 +90,15 @@ def run_root(args: argparse.Namespace) -> Path:
 def load_plan(args: argparse.Namespace, root: Path) -> EvalPlan:
     if args.env:
         extra = args.env_args + [{}] * (len(args.env) - len(args.env_args))
-        return EvalPlan(envs=[{"class_path": c, "init_args": a} for c, a in zip(args.env, extra)], interval=1)
-    path = Path(args.plan) if args.plan else evals_dir(root) / "plan.json"
-    if not path.is_file():
-        raise SystemExit(f"lit-rl evaluate: no plan at {path}; give --plan or --env CLASS_PATH")
-    return EvalPlan.load(path)
+        plan = EvalPlan(envs=[{"class_path": c, "init_args": a} for c, a in zip(args.env, extra)], interval=1)
+    else:
+        path = Path(args.plan) if args.plan else evals_dir(root) / "plan.json"
+        if not path.is_file():
+            raise SystemExit(f"lit-rl evaluate: no plan at {path}; give --plan or --env CLASS_PATH")
+        plan = EvalPlan.load(path)
+    if args.chat_template_kwargs is not None:
+        plan.chat_template_kwargs = args.chat_template_kwargs
+    return plan
 
 
 def first_checkpoint(root: Path, timeout: float | None, parent_pid: int | None) -> Path:

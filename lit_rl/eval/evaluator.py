@@ -203,7 +203,7 @@ class Evaluator:
         return None
 
     async def _evaluate_env(self, step: int, step_path: Path, env: Environment) -> None:
-        run = EvalRun(step=step, step_dir=step_path, client=self.client)
+        run = EvalRun(step=step, step_dir=step_path, client=self.client, chat_template_kwargs=dict(self.plan.chat_template_kwargs))
         started = time.perf_counter()
         metrics = await env.evaluate(run)
         out = {f"eval/{env.name}/{k}": v for k, v in metrics.items()}

@@ -27,6 +27,9 @@ class EvalPlan:
     interval: int = 100
     intervals: dict[str, int] = field(default_factory=dict)  # per environment name
     eval_base: bool = True
+    # the chat template's variables the training data renders with (enable_thinking, ...): eval prompts
+    # are rendered the same way, or a model trained without thinking would be evaluated thinking
+    chat_template_kwargs: dict = field(default_factory=dict)
 
     def interval_of(self, name: str) -> int:
         return int(self.intervals.get(name, self.interval))

@@ -43,6 +43,7 @@ class EvalRun:
     step_dir: Path
     client: Any  # lit_rl.inference.client.InferenceClient
     traces: list[dict] = field(default_factory=list)
+    chat_template_kwargs: dict = field(default_factory=dict)  # the training data's (EvalPlan): render prompts with them
 
 
 class Environment:
@@ -176,8 +177,8 @@ class Environment:
 
         async def one(task: dict):
             outs = await run.client.chat(
-                self.prompt(task), max_tokens=s.max_tokens, n=self.samples_per_prompt,
-                temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+                self.prompt(task), tools=self.tools(task), chat_template_kwargs=run.chat_template_kwargs or None,
+                max_tokens=s.max_tokens, n=self.samples_per_prompt, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
             )
             texts = [o.text for o in outs]
             return texts, *(await self.score_group(texts, task, [o.completion_ids for o in outs]))

@@ -150,7 +150,8 @@ class VerifiersEnv(Environment):
         sampling = {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
         tasks = self.tasks()
         results = await asyncio.gather(*(
-            asyncio.gather(*(self.episode(task, run.client, tokenizer, sampling) for _ in range(self.samples_per_prompt)))
+            asyncio.gather(*(self.episode(task, run.client, tokenizer, sampling, run.chat_template_kwargs)
+                             for _ in range(self.samples_per_prompt)))
             for task in tasks))
         scored = []
         for task, played in zip(tasks, results):
