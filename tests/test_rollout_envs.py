@@ -250,6 +250,27 @@ def test_lookup_env_tool_call_path_matches_the_template():
     assert_context_is_untrained(s)
 
 
+def test_lookup_env_evaluates_whole_episodes_with_the_eval_sampling():
+    """Before, LookupEnv inherited the single-turn eval: its first turn, a tool call, was scored as
+    the answer (0), so an online eval of the example could not see it learn."""
+    from pathlib import Path
+
+    from lit_rl.rollouts.envs import EvalRun
+
+    class Client(ScriptedClient):
+        async def tokenizer(self):
+            return TOK
+
+    env = LookupEnv(num_tasks=1)
+    task = env.tasks()[0]
+    for answer, reward in ((f"The code is {task['secret']}.<|im_end|>", 1.0), ("I do not know<|im_end|>", 0.0)):
+        client = Client([(tool_call_text(task["key"]), "stop"), (answer, "stop")])
+        run = EvalRun(step=3, step_dir=Path("."), client=client)
+        assert asyncio.run(env.evaluate(run)) == {"reward": reward}
+        assert run.traces[0]["tool_called"] and run.traces[0]["reward"] == reward
+        assert [(c["temperature"], c["seed"], c["max_tokens"]) for c in client.calls] == [(0.0, 0, env.max_tokens)] * 2
+
+
 @pytest.mark.parametrize("script,reward,turns", [
     (["hello<|im_end|>", "CALL", "The code is SECRET<|im_end|>"], 1.0, 3),  # reminded, then calls, answers
     (["SECRET<|im_end|>", "SECRET<|im_end|>", "SECRET"], 0.0, 3),  # never calls the tool: no credit

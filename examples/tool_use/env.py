@@ -17,7 +17,8 @@ import random
 import re
 
 from lit_rl.data.samples import Sample, SampleGroup
-from lit_rl.rollouts import Environment, RolloutContext, Transcript, completion_text
+from lit_rl.rollouts import Environment, RolloutContext, TrainSampling, Transcript, completion_text
+from lit_rl.rollouts.envs import EvalRun, eval_metrics
 
 LOOKUP_TOOL = {
     "type": "function",
@@ -98,6 +99,24 @@ class LookupEnv(Environment):
     async def rollout(self, task: dict, ctx: RolloutContext) -> SampleGroup:
         episodes = [self.episode(task, ctx, k) for k in range(ctx.group_size)]
         return SampleGroup(samples=list(await asyncio.gather(*episodes)), task_id=self.task_id(task))
+
+    async def evaluate(self, run: EvalRun) -> dict[str, float]:
+        """Every task played as in training (tool calls answered, reminders given), with the eval
+        sampling (greedy by default): the inherited single-turn eval would stop at the first tool
+        call and score 0."""
+        s = self.sampling
+        ctx = RolloutContext(client=run.client, tokenizer=await run.client.tokenizer(),
+                             sampling=TrainSampling(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                                                    seed=s.seed),
+                             group_size=self.samples_per_prompt, policy_version=run.step,
+                             chat_template_kwargs=run.chat_template_kwargs)
+        tasks = self.tasks()
+        played = await asyncio.gather(*(asyncio.gather(*(self.episode(task, ctx, k) for k in range(self.samples_per_prompt)))
+                                        for task in tasks))
+        for task, samples in zip(tasks, played):
+            run.traces += [{"prompt": self.prompt(task), "completions": s.metadata["completions"], "reward": s.reward,
+                            "tool_called": s.metadata["tool_called"]} for s in samples]
+        return eval_metrics([([s.reward for s in samples], {}) for samples in played], self.samples_per_prompt)
 
     async def episode(self, task: dict, ctx: RolloutContext, k: int = 0) -> Sample:
         """One multi-turn rollout: sample a turn; run a tool call, or remind the model to make
