@@ -324,3 +324,20 @@ def test_reverse_text_rows_without_a_chat_or_a_user_turn_are_named_before_any_se
                           "--env-args", json.dumps({"path": path}), "--base-url", "http://127.0.0.1:9/v1"], capsys)
         assert "--env / --env-args or the plan's environments: ReverseTextEnv:" in err and said in err, err
     assert not (tmp_path / "evaluated" / "evals").exists()
+
+
+def test_eval_chat_template_variables_that_lit_rl_sets_itself_are_refused_before_any_server(tmp_path, capsys):
+    """Otherwise every eval failed at its first prompt (a TypeError: the generation prompt or the tools given twice)."""
+    from lit_rl.callbacks import OnlineEval
+    from lit_rl.rollouts import ReverseTextEnv
+
+    data = write_jsonl(tmp_path / "test.jsonl", reverse_rows(2))
+    with pytest.raises(ValueError, match=r"OnlineEval: chat_template_kwargs may not set \['add_generation_prompt'\]"):
+        OnlineEval(envs=[ReverseTextEnv(path=data)], chat_template_kwargs={"add_generation_prompt": False})
+    OnlineEval(envs=[ReverseTextEnv(path=data)], chat_template_kwargs={"enable_thinking": False})
+    weights = tmp_path / "run" / "weights"
+    weights.mkdir(parents=True)
+    err = user_error(["evaluate", "--weights-dir", str(weights), "--env", "lit_rl.rollouts.ReverseTextEnv",
+                      "--env-args", json.dumps({"path": data}), "--chat-template-kwargs", '{"tools": []}'], capsys)
+    assert "--chat-template-kwargs: chat_template_kwargs may not set ['tools']" in err, err
+    assert not (tmp_path / "run" / "evals").exists()

@@ -32,6 +32,7 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_rl.callbacks.export import HFExport
+from lit_rl.data.render import chat_template_kwargs_problem
 from lit_rl.eval.plan import DoneLog, EvalPlan, clear_final_step, evals_dir, write_final_step
 from lit_rl.eval.wandb_shared import describe_run, make_trainer_primary
 from lit_rl.inference.runtime import InferenceRuntime
@@ -98,6 +99,8 @@ class OnlineEval(L.Callback):
         if base_url and server:
             raise ValueError("OnlineEval: give base_url (an existing server) or server options, not both")
         problems = server_option_problems(server or {}, where="server.", also=EVALUATOR_SERVER_OPTIONS)
+        if problem := chat_template_kwargs_problem(chat_template_kwargs):
+            problems.append(problem)
         if problems := problems + eval_room_problems(envs, server or {}, where="server."):
             raise ValueError("OnlineEval: " + "; ".join(problems))
         self.plan = EvalPlan(envs=[e.to_config() for e in envs], interval=interval, intervals=dict(intervals or {}),

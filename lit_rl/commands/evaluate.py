@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from lit_rl.child_process import pid_alive
+from lit_rl.data.render import chat_template_kwargs_problem
 from lit_rl.errors import UserError
 from lit_rl.eval.evaluator import Evaluator, instantiate
 from lit_rl.eval.logging import EvalLogger
@@ -97,6 +98,8 @@ def load_plan(args: argparse.Namespace, root: Path) -> EvalPlan:
             raise SystemExit(f"lit-rl evaluate: no plan at {path}; give --plan or --env CLASS_PATH")
         plan = EvalPlan.load(path)
     if args.chat_template_kwargs is not None:
+        if problem := chat_template_kwargs_problem(args.chat_template_kwargs):
+            raise UserError(f"--chat-template-kwargs: {problem}")
         plan.chat_template_kwargs = args.chat_template_kwargs
     return plan
 

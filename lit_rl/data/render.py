@@ -43,6 +43,14 @@ _SENTINEL = "Zq7SentinelQ9x"
 _RESERVED = {"add_generation_prompt", "tokenize", "tools", "chat_template", "continue_final_message"}
 
 
+def chat_template_kwargs_problem(kwargs: dict | None) -> str | None:
+    """The variables a caller may not pass to the chat template: those lit-rl sets itself (the
+    generation prompt, the tools) or that would change what a render returns."""
+    if bad := _RESERVED & dict(kwargs or {}).keys():
+        return f"chat_template_kwargs may not set {sorted(bad)}"
+    return None
+
+
 class RenderError(ValueError):
     """A chat cannot be rendered, or its tokens cannot be attributed to turns with certainty."""
 
@@ -223,8 +231,8 @@ def render_messages(
     messages = normalize_messages(messages)
     tools = normalize_tools(tools)
     kwargs = dict(chat_template_kwargs or {})
-    if bad := _RESERVED & kwargs.keys():
-        raise ValueError(f"chat_template_kwargs may not set {sorted(bad)}")
+    if problem := chat_template_kwargs_problem(kwargs):
+        raise ValueError(problem)
     template = tokenizer.get_chat_template(None, tools)  # read from the caller's (shared) tokenizer
     tok = _thread_tokenizer(tokenizer)
     render = _Renderer(tok, template, tools, kwargs)
