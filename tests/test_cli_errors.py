@@ -327,7 +327,8 @@ def test_reverse_text_rows_without_a_chat_or_a_user_turn_are_named_before_any_se
 
 
 def test_eval_chat_template_variables_that_lit_rl_sets_itself_are_refused_before_any_server(tmp_path, capsys):
-    """Otherwise every eval failed at its first prompt (a TypeError: the generation prompt or the tools given twice)."""
+    """Otherwise every eval failed at its first prompt (a TypeError: the generation prompt or the tools given twice).
+    Also an eval dataset that cannot be read."""
     from lit_rl.callbacks import OnlineEval
     from lit_rl.rollouts import ReverseTextEnv
 
@@ -335,6 +336,9 @@ def test_eval_chat_template_variables_that_lit_rl_sets_itself_are_refused_before
     with pytest.raises(ValueError, match=r"OnlineEval: chat_template_kwargs may not set \['add_generation_prompt'\]"):
         OnlineEval(envs=[ReverseTextEnv(path=data)], chat_template_kwargs={"add_generation_prompt": False})
     OnlineEval(envs=[ReverseTextEnv(path=data)], chat_template_kwargs={"enable_thinking": False})
+    # an eval's data is read when the callback is made: before, a missing file failed every eval, in evaluator.log only
+    with pytest.raises(ValueError, match=r"OnlineEval: environment 'held_out': no such file .*nope.jsonl"):
+        OnlineEval(envs=[ReverseTextEnv(path=str(tmp_path / "nope.jsonl"), name="held_out")])
     weights = tmp_path / "run" / "weights"
     weights.mkdir(parents=True)
     err = user_error(["evaluate", "--weights-dir", str(weights), "--env", "lit_rl.rollouts.ReverseTextEnv",

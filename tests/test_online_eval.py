@@ -334,7 +334,7 @@ def test_vanished_checkpoint_is_skipped_and_training_succeeds(tmp_path, reverse_
     settings = yaml.safe_load(config.read_text())
     settings["data"]["init_args"]["chat_template_kwargs"] = {"enable_thinking": False}
     config.write_text(yaml.safe_dump(settings))
-    fit_on_shared_server(config, vllm_server)
+    out = fit_on_shared_server(config, vllm_server)
     root = tmp_path / "run"
     # the training data's chat template variables go to the evaluator, whose prompts render with them
     assert json.loads((root / "evals" / "plan.json").read_text())["chat_template_kwargs"] == {"enable_thinking": False}
@@ -342,6 +342,8 @@ def test_vanished_checkpoint_is_skipped_and_training_succeeds(tmp_path, reverse_
     status = {d["step"]: d["status"] for d in done}
     assert status[0] == "ok" and status[6] == "failed"
     assert status.get(3) in ("ok", "skipped")
+    # said at the end of the trainer's output, not only in evaluator.log
+    assert "OnlineEval: 1 eval(s) failed (reverse_text at step 6)" in out.stderr, out.stderr[-3000:]
     log = (root / "evals" / "evaluator.log").read_text()
     # The evaluator either finds the directory already gone (the announced final step is
     # missing) or loses the race while leasing it (vanished under it): both skip step 6.

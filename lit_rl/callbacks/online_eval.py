@@ -101,6 +101,11 @@ class OnlineEval(L.Callback):
         problems = server_option_problems(server or {}, where="server.", also=EVALUATOR_SERVER_OPTIONS)
         if problem := chat_template_kwargs_problem(chat_template_kwargs):
             problems.append(problem)
+        for env in envs:  # their rows read now: a missing file or column said before training, not in every eval
+            try:
+                env.tasks()
+            except (ValueError, KeyError, FileNotFoundError, ImportError) as e:
+                problems.append(f"environment {env.name!r}: {e}")
         if problems := problems + eval_room_problems(envs, server or {}, where="server."):
             raise ValueError("OnlineEval: " + "; ".join(problems))
         self.plan = EvalPlan(envs=[e.to_config() for e in envs], interval=interval, intervals=dict(intervals or {}),
@@ -200,3 +205,14 @@ class OnlineEval(L.Callback):
             rank_zero_warn(f"OnlineEval: the final eval did not finish in {self.final_timeout:.0f} s; stopped the evaluator")
         elif code != 0:
             rank_zero_warn(f"OnlineEval: the evaluator exited with code {code}; see {evals_dir(trainer.default_root_dir)}/evaluator.log")
+        self._warn_of_failed_evals(Path(trainer.default_root_dir))
+
+    def _warn_of_failed_evals(self, root: Path) -> None:
+        """The evals that failed during the run, said in the trainer's output at its end (each was
+        logged only in evaluator.log as it failed); `lit-rl evaluate --run-dir` runs them again."""
+        failed = [(step, name) for (step, name), status in sorted(DoneLog(root).entries.items()) if status == "failed"]
+        if failed:
+            shown = ", ".join(f"{name} at step {step}" for step, name in failed[:5]) + (" ..." if len(failed) > 5 else "")
+            rank_zero_warn(f"OnlineEval: {len(failed)} eval(s) failed ({shown}); the errors are in "
+                           f"{evals_dir(root)}/done.jsonl and evaluator.log; `lit-rl evaluate --run-dir {root}` "
+                           "runs them again")
