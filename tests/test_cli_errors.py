@@ -162,16 +162,17 @@ def test_evaluate_on_a_run_without_checkpoints_fails_at_once(tmp_path):
     """A finished run's evaluator has nothing to wait for: an empty weights/ is an error, not an
     hour's silent wait (it waits only with --follow, for a run still training)."""
     (tmp_path / "weights").mkdir()
+    env = ["--env", "lit_rl.rollouts.ReverseTextEnv", "--env-args",  # its rows are read first (a fresh clone has no demo data)
+           json.dumps({"path": write_jsonl(tmp_path / "test.jsonl", reverse_rows(2))})]
     started = time.monotonic()
     with pytest.raises(SystemExit) as e:
-        cli.main(["evaluate", "--weights-dir", str(tmp_path / "weights"), "--env", "lit_rl.rollouts.ReverseTextEnv"])
+        cli.main(["evaluate", "--weights-dir", str(tmp_path / "weights"), *env])
     assert time.monotonic() - started < 30
     assert f"no STABLE checkpoint under {tmp_path / 'weights'}" in str(e.value.code)
     assert "give --follow" in str(e.value.code)
     # on a server of the user's: before, it evaluated nothing and exited 0 (no server is reached here)
     with pytest.raises(SystemExit) as e:
-        cli.main(["evaluate", "--weights-dir", str(tmp_path / "weights"), "--env", "lit_rl.rollouts.ReverseTextEnv",
-                  "--base-url", "http://127.0.0.1:9/v1"])
+        cli.main(["evaluate", "--weights-dir", str(tmp_path / "weights"), *env, "--base-url", "http://127.0.0.1:9/v1"])
     assert f"no STABLE checkpoint under {tmp_path / 'weights'}" in str(e.value.code)
 
 
@@ -261,7 +262,7 @@ def test_a_misspelt_server_option_is_named_before_any_server_starts(tmp_path, ca
 
     weights = tmp_path / "evaluated" / "weights"
     weights.mkdir(parents=True)
-    env = ["--env", "lit_rl.rollouts.ReverseTextEnv"]
+    env = ["--env", "lit_rl.rollouts.ReverseTextEnv", "--env-args", json.dumps({"path": data})]
     err = user_error(["evaluate", "--weights-dir", str(weights), *env, "--server", '{"max_model_length": 512}'], capsys)
     assert "--server max_model_length is not a server option (did you mean max_model_len?)" in err, err
     for flag, value, said in (("--server", "{max_model_len: 512}", "not JSON"), ("--env-args", "[1]", "give a JSON object"),
@@ -291,7 +292,7 @@ def test_an_eval_completion_limit_with_no_room_for_a_prompt_is_named_before_any_
 
     weights = tmp_path / "evaluated" / "weights"
     weights.mkdir(parents=True)
-    env = ["--env", "lit_rl.rollouts.ReverseTextEnv", "--env-args", '{"max_tokens": 100}']
+    env = ["--env", "lit_rl.rollouts.ReverseTextEnv", "--env-args", json.dumps({"path": data, "max_tokens": 100})]
     err = user_error(["evaluate", "--weights-dir", str(weights), *env, "--server", '{"max_model_len": 64, "dtype": "float32"}'],
                      capsys)
     assert "environment reverse_text's max_tokens (100) leaves no room for a prompt in --server max_model_len (64)" in err, err
