@@ -12,7 +12,7 @@ from pathlib import Path
 import lightning as L
 
 from lit_rl.eval.plan import DoneLog, read_final_step
-from lit_rl.rollouts.envs import EvalRun, ReverseTextEnv
+from lit_rl.rollouts.envs import Environment, EvalRun, ReverseTextEnv
 from lit_rl.run_dir import STABLE
 
 
@@ -153,9 +153,10 @@ class NaNLossAtStep(L.Callback):
             self._hook = embeddings.register_forward_hook(lambda module, args, out: out * float("nan"))
 
 
-class ScoreFixedIds(ReverseTextEnv):
+class ScoreFixedIds(Environment):
     """An eval whose metric is the served model's log-probability of fixed token ids: a test
-    compares it with the checkpoint's own in transformers, so it shows which weights were served."""
+    compares it with the checkpoint's own in transformers, so it shows which weights were served.
+    It overrides `evaluate` alone, as docs/evals.md says a custom eval may: no tasks to read."""
 
     default_name = "score"
     IDS = [5, 17, 60, 101, 33, 2, 250, 9]

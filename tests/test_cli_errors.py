@@ -340,6 +340,9 @@ def test_eval_chat_template_variables_that_lit_rl_sets_itself_are_refused_before
     # an eval's data is read when the callback is made: before, a missing file failed every eval, in evaluator.log only
     with pytest.raises(ValueError, match=r"OnlineEval: environment 'held_out': no such file .*nope.jsonl"):
         OnlineEval(envs=[ReverseTextEnv(path=str(tmp_path / "nope.jsonl"), name="held_out")])
+    from online_eval_helpers import ScoreFixedIds
+
+    OnlineEval(envs=[ScoreFixedIds()])  # a custom eval with `evaluate` alone has no rows to read
     weights = tmp_path / "run" / "weights"
     weights.mkdir(parents=True)
     err = user_error(["evaluate", "--weights-dir", str(weights), "--env", "lit_rl.rollouts.ReverseTextEnv",

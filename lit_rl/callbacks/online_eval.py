@@ -101,11 +101,8 @@ class OnlineEval(L.Callback):
         problems = server_option_problems(server or {}, where="server.", also=EVALUATOR_SERVER_OPTIONS)
         if problem := chat_template_kwargs_problem(chat_template_kwargs):
             problems.append(problem)
-        for env in envs:  # their rows read now: a missing file or column said before training, not in every eval
-            try:
-                env.tasks()
-            except (ValueError, KeyError, FileNotFoundError, ImportError) as e:
-                problems.append(f"environment {env.name!r}: {e}")
+        # their rows read now: a missing file or column said before training, not at every eval
+        problems += [f"environment {env.name!r}: {problem}" for env in envs if (problem := env.tasks_problem())]
         if problems := problems + eval_room_problems(envs, server or {}, where="server."):
             raise ValueError("OnlineEval: " + "; ".join(problems))
         self.plan = EvalPlan(envs=[e.to_config() for e in envs], interval=interval, intervals=dict(intervals or {}),

@@ -158,10 +158,10 @@ async def run(args: argparse.Namespace) -> None:
         # after the server starts, as before this check existed.)
         try:
             envs = [instantiate(config) for config in plan.envs]
-            for env in envs:  # their rows read now (and kept): a missing file, column or row said here too
-                env.tasks()
-        except (ValueError, TypeError, KeyError, FileNotFoundError, ImportError) as e:
+        except (ValueError, TypeError) as e:
             raise UserError(f"--env / --env-args or the plan's environments: {e}") from e
+        if problems := [problem for env in envs if (problem := env.tasks_problem())]:  # rows read, a bad one named
+            raise UserError("--env / --env-args or the plan's environments: " + "; ".join(problems))
     server_kwargs = with_gpu_split(checked_server_options(args.server, None if args.base_url else envs))
     logger = EvalLogger(args.log_dir or evals_dir(root), args.wandb)
     model = None

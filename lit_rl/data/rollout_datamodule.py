@@ -178,10 +178,8 @@ class RolloutDataModule(L.LightningDataModule):
         if not isinstance(self.env, Environment) and not callable(getattr(self.env, "rollout", None)):
             problems.append(f"data.env must be an Environment, got {type(self.env).__name__}")
         elif isinstance(self.env, Environment):
-            try:  # its rows read now (and kept), so a missing file or column is said before any server starts
-                self.env.tasks()
-            except (ValueError, KeyError, FileNotFoundError, ImportError) as e:
-                problems.append(f"data.env ({type(self.env).__name__}): {e}")
+            if problem := self.env.tasks_problem():
+                problems.append(f"data.env ({type(self.env).__name__}): {problem}")
         try:
             TrainSampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
         except ValueError as e:

@@ -120,6 +120,18 @@ class Environment:
             self._tasks = tasks
         return self._tasks
 
+    def tasks_problem(self) -> str | None:
+        """Why the tasks cannot be read (a missing file, column or row), or None; they are read
+        now and kept, so that a run or an eval says so before any server starts. An environment
+        without `load_tasks` of its own (a custom `evaluate` that needs no tasks) has none to read."""
+        if type(self).load_tasks is Environment.load_tasks:
+            return None
+        try:
+            self.tasks()
+        except (ValueError, KeyError, FileNotFoundError, ImportError) as e:
+            return str(e)
+        return None
+
     def prompt(self, task: dict) -> list[dict]:
         """The chat messages sent to the model for this task."""
         return task["prompt"]
