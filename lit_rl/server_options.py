@@ -64,10 +64,13 @@ def completion_room_problem(max_tokens: int, options: dict, *, what: str, where:
 
 
 def eval_room_problems(envs: Iterable, options: dict, where: str) -> list[str]:
-    """`completion_room_problem` for each eval environment's own `max_tokens` (its `sampling`),
-    against the options of the evaluator's server."""
+    """`completion_room_problem` for each eval environment that samples with its own `max_tokens`
+    (the built-in `Environment.evaluate`), against the options of the evaluator's server. A custom
+    `evaluate` decides itself what it asks of the server (HeldOutLoss asks nothing)."""
+    from lit_rl.rollouts.envs import Environment
+
     problems = (completion_room_problem(env.sampling.max_tokens, options, what=f"environment {env.name}'s max_tokens",
-                                        where=where) for env in envs if getattr(env, "sampling", None) is not None)
+                                        where=where) for env in envs if type(env).evaluate is Environment.evaluate)
     return [p for p in problems if p]
 
 

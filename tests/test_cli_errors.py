@@ -289,6 +289,9 @@ def test_an_eval_completion_limit_with_no_room_for_a_prompt_is_named_before_any_
                                              rf"for a prompt in server.max_model_len \({model_len}\)"):
             OnlineEval(envs=[ReverseTextEnv(path=data, name="held_out", num_examples=2)], server={"max_model_len": model_len})
     OnlineEval(envs=[ReverseTextEnv(path=data, max_tokens=32, num_examples=2)], server={"max_model_len": 64})
+    from online_eval_helpers import ScoreFixedIds
+
+    OnlineEval(envs=[ScoreFixedIds()], server={"max_model_len": 64})  # its own evaluate samples nothing
 
     weights = tmp_path / "evaluated" / "weights"
     weights.mkdir(parents=True)
