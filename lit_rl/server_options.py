@@ -63,15 +63,18 @@ def completion_room_problem(max_tokens: int, options: dict, *, what: str, where:
     return None
 
 
-def eval_room_problems(envs: Iterable, options: dict, where: str) -> list[str]:
-    """`completion_room_problem` for each eval environment that samples with its own `max_tokens`
-    (the built-in `Environment.evaluate`), against the options of the evaluator's server. A custom
-    `evaluate` decides itself what it asks of the server (HeldOutLoss asks nothing)."""
+def evaluator_server_problems(options: dict, envs: Iterable, where: str) -> list[str]:
+    """What is wrong with the options of the evaluator's server (`OnlineEval(server=...)`, `lit-rl
+    evaluate --server`): `server_option_problems`, with the evaluator's own options accepted, and
+    `completion_room_problem` for each eval environment that samples with its own `max_tokens` (the
+    built-in `Environment.evaluate`; a custom `evaluate` decides itself what it asks of the server:
+    HeldOutLoss asks nothing)."""
     from lit_rl.rollouts.envs import Environment
 
-    problems = (completion_room_problem(env.sampling.max_tokens, options, what=f"environment {env.name}'s max_tokens",
-                                        where=where) for env in envs if type(env).evaluate is Environment.evaluate)
-    return [p for p in problems if p]
+    problems = server_option_problems(options, where=where, also=EVALUATOR_SERVER_OPTIONS)
+    room = (completion_room_problem(env.sampling.max_tokens, options, what=f"environment {env.name}'s max_tokens",
+                                    where=where) for env in envs if type(env).evaluate is Environment.evaluate)
+    return problems + [p for p in room if p]
 
 
 def with_server_args(options: dict, args: Sequence[str], *, unless: Sequence[str] = ()) -> dict:

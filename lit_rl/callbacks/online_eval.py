@@ -38,7 +38,7 @@ from lit_rl.eval.wandb_shared import describe_run, make_trainer_primary
 from lit_rl.inference.runtime import InferenceRuntime
 from lit_rl.rollouts.envs import Environment
 from lit_rl.run_dir import step_of
-from lit_rl.server_options import EVALUATOR_SERVER_OPTIONS, eval_room_problems, server_option_problems
+from lit_rl.server_options import evaluator_server_problems
 
 
 def check_cpus(cpus: list[int] | None) -> list[int] | None:
@@ -98,12 +98,12 @@ class OnlineEval(L.Callback):
             raise ValueError(f"OnlineEval.intervals names unknown environments {sorted(unknown)}; known: {names}")
         if base_url and server:
             raise ValueError("OnlineEval: give base_url (an existing server) or server options, not both")
-        problems = server_option_problems(server or {}, where="server.", also=EVALUATOR_SERVER_OPTIONS)
+        problems = evaluator_server_problems(server or {}, envs, where="server.")
         if problem := chat_template_kwargs_problem(chat_template_kwargs):
             problems.append(problem)
         # their rows read now: a missing file or column said before training, not at every eval
         problems += [f"environment {env.name!r}: {problem}" for env in envs if (problem := env.tasks_problem())]
-        if problems := problems + eval_room_problems(envs, server or {}, where="server."):
+        if problems:
             raise ValueError("OnlineEval: " + "; ".join(problems))
         self.plan = EvalPlan(envs=[e.to_config() for e in envs], interval=interval, intervals=dict(intervals or {}),
                              eval_base=eval_base)

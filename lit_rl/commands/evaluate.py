@@ -32,7 +32,7 @@ from lit_rl.eval.logging import EvalLogger
 from lit_rl.eval.plan import EvalPlan, evals_dir
 from lit_rl.lora import adapter_base, is_adapter_dir, lora_server_options
 from lit_rl.run_dir import lease, stable_steps
-from lit_rl.server_options import EVALUATOR_SERVER_OPTIONS, eval_room_problems, server_option_problems
+from lit_rl.server_options import evaluator_server_problems
 
 
 def json_object(text: str) -> dict:
@@ -128,8 +128,7 @@ def checked_server_options(options: dict, envs: list | None) -> dict:
     """`--server`'s options, checked before anything starts (a misspelt option named, not a TypeError
     once the first checkpoint is found), and against the environments' completion limits when they
     are built here (beside training, OnlineEval checked them)."""
-    problems = server_option_problems(options, where="--server ", also=EVALUATOR_SERVER_OPTIONS)
-    if problems := problems + eval_room_problems(envs or [], options, where="--server "):
+    if problems := evaluator_server_problems(options, envs or [], where="--server "):
         raise UserError("; ".join(problems))
     return options
 
