@@ -180,7 +180,6 @@ class Evaluator:
     async def _evaluate_step(self, step: int, envs: list[Environment]) -> Exception | None:
         """The step's evals; the error that stopped them (its evals recorded as failed), if any."""
         step_path = self.root / "weights" / f"step_{step}"
-        self.attempted.update({(step, env.name): "not run" for env in envs})
         try:
             with lease(step_path, f"evaluator-{os.getpid()}"):
                 if not (step_path / STABLE).is_file():
