@@ -270,23 +270,16 @@ def test_lit_rl_evaluate_runs_a_dataset_env_unchanged_and_logs_each_reward(vllm_
     """`lit-rl evaluate --env lit_rl.rollouts.DatasetEnv --env-args ...` on a checkpoint, against the
     session's server: the environment rebuilt from its arguments, each reward in eval_metrics.csv."""
     import csv
-    import shutil
     import sys
-    import uuid
 
     from lit_rl import cli
-    from lit_rl.run_dir import step_dir
 
-    run = vllm_server.root / f"evaluate_{uuid.uuid4().hex[:8]}"  # inside the server's reload root
-    shutil.copytree(vllm_server.model_dir, step_dir(run, 0))
     args = {"path": write_jsonl(tmp_path / "rows.jsonl", ROWS), "prompt_column": "question", "rewards": TWO_REWARDS,
             "max_tokens": 8, "name": "math"}
     monkeypatch.setattr(sys, "argv", ["lit-rl"])
-    try:
+    with vllm_server.run_dir() as run:
         cli.main(["evaluate", "--weights-dir", str(run / "weights"), "--base-url", vllm_server.base_url,
                   "--env", "lit_rl.rollouts.DatasetEnv", "--env-args", json.dumps(args), "--log-dir", str(tmp_path / "evals")])
-    finally:
-        shutil.rmtree(run)
     logged = {r["name"]: float(r["value"]) for r in csv.DictReader(open(tmp_path / "evals" / "eval_metrics.csv"))}
     assert {"eval/math/reward", "eval/math/reward/longer_is_better", "eval/math/reward/mentions"} <= set(logged), logged
     assert logged["eval/math/reward"] == pytest.approx(

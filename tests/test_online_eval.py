@@ -121,16 +121,9 @@ def test_evaluate_on_a_finished_run_exits_1_naming_what_failed_and_a_rerun_tries
     the command exited 0; the rerun after the fix found those evals in done.jsonl (status failed),
     evaluated nothing and exited 0 too, without a word. Now the run exits 1 naming the evals and the
     error, a rerun evaluates what failed, and one more rerun says there is nothing left."""
-    import shutil
-    import uuid
-
     from lit_rl import cli
-    from lit_rl.run_dir import step_dir
     from helpers import reverse_rows, write_jsonl
 
-    run_root = vllm_server.root / f"evaluate_{uuid.uuid4().hex[:8]}"  # inside the server's reload root
-    for step in (0, 1):
-        shutil.copytree(vllm_server.model_dir, step_dir(run_root, step))
     monkeypatch.setattr(sys, "argv", ["lit-rl"])
     data = write_jsonl(tmp_path / "test.jsonl", reverse_rows(2))
 
@@ -142,7 +135,7 @@ def test_evaluate_on_a_finished_run_exits_1_naming_what_failed_and_a_rerun_tries
     def logged_steps() -> list[int]:
         return sorted(int(r["step"]) for r in read_eval_metrics(run_root / "evals") if r["name"] == "eval/rt/reward")
 
-    try:
+    with vllm_server.run_dir(steps=(0, 1)) as run_root:
         with pytest.raises(SystemExit) as failed:
             evaluate(2000)  # the session server's max_model_len is 1024
         message = str(failed.value.code)
@@ -158,8 +151,6 @@ def test_evaluate_on_a_finished_run_exits_1_naming_what_failed_and_a_rerun_tries
             evaluate(8)
         assert "nothing to evaluate: every due eval of the checkpoints" in caplog.text, caplog.text
         assert logged_steps() == [0, 1]  # nothing evaluated twice
-    finally:
-        shutil.rmtree(run_root)
 
 
 def test_eval_prompts_are_rendered_as_training_renders_them(tmp_path, vllm_server, monkeypatch):
@@ -169,14 +160,10 @@ def test_eval_prompts_are_rendered_as_training_renders_them(tmp_path, vllm_serve
     have. Now the plan carries the variables (OnlineEval takes them from the training data, `lit-rl
     evaluate --chat-template-kwargs` sets them) and evals render prompts with them and the tools.
     The prompts are read where the client sends them to the real server."""
-    import shutil
-    import uuid
-
     from transformers import AutoTokenizer
 
     from lit_rl import cli
     from lit_rl.inference.client import InferenceClient, chat_prompt_ids
-    from lit_rl.run_dir import step_dir
     from helpers import TINY_MODEL, write_jsonl
 
     tool = {"type": "function", "function": {"name": "calc", "description": "adds", "parameters": {"type": "object"}}}
@@ -192,14 +179,10 @@ def test_eval_prompts_are_rendered_as_training_renders_them(tmp_path, vllm_serve
 
     monkeypatch.setattr(InferenceClient, "generate", recording)
     monkeypatch.setattr(sys, "argv", ["lit-rl"])
-    run_root = vllm_server.root / f"evaluate_{uuid.uuid4().hex[:8]}"  # inside the server's reload root
-    shutil.copytree(vllm_server.model_dir, step_dir(run_root, 0))
-    try:
+    with vllm_server.run_dir() as run_root:
         cli.main(["evaluate", "--run-dir", str(run_root), "--base-url", vllm_server.base_url,
                   "--env", "lit_rl.rollouts.DatasetEnv", "--env-args", json.dumps(env_args),
                   "--chat-template-kwargs", '{"enable_thinking": false}'])
-    finally:
-        shutil.rmtree(run_root)
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
     expected = chat_prompt_ids(tokenizer, messages, [tool], {"enable_thinking": False})

@@ -190,27 +190,20 @@ def test_lit_rl_evaluate_runs_a_verifiers_env_unchanged(vllm_server, tmp_path, m
     """The environment rebuilt in `lit-rl evaluate` (and in the online evaluator) from its
     `to_config`: each verifiers reward in eval_metrics.csv beside the sum."""
     import csv
-    import shutil
     import sys
-    import uuid
 
     from lit_rl import cli
-    from lit_rl.run_dir import step_dir
 
     env = VerifiersEnv("vf_reverse", env="vf_again", num_examples=3, max_tokens=8, name="rev")
     config = env.to_config()
     assert config == {"class_path": "lit_rl.rollouts.verifiers_env.VerifiersEnv", "init_args": {
         "taskset": "vf_reverse", "taskset_args": {}, "env": "vf_again", "env_args": {}, "max_turns": 8, "name": "rev",
         "num_examples": 3, "samples_per_prompt": 1, "max_tokens": 8, "temperature": 0.0, "top_p": 1.0, "seed": 0}}
-    run = vllm_server.root / f"evaluate_{uuid.uuid4().hex[:8]}"  # inside the server's reload root
-    shutil.copytree(vllm_server.model_dir, step_dir(run, 0))
     monkeypatch.setattr(sys, "argv", ["lit-rl"])
-    try:
+    with vllm_server.run_dir() as run:
         cli.main(["evaluate", "--weights-dir", str(run / "weights"), "--base-url", vllm_server.base_url,
                   "--env", config["class_path"], "--env-args", json.dumps(config["init_args"]),
                   "--log-dir", str(tmp_path / "evals")])
-    finally:
-        shutil.rmtree(run)
     logged = {r["name"]: float(r["value"]) for r in csv.DictReader(open(tmp_path / "evals" / "eval_metrics.csv"))}
     assert {"eval/rev/reward", "eval/rev/reward/reversed_text", "eval/rev/reward/short"} <= set(logged), logged
     assert logged["eval/rev/reward"] == pytest.approx(

@@ -24,7 +24,11 @@ that lit-rl's requests say all of their sampling (`InferenceClient.generate`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import shutil
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,6 +83,18 @@ class ServedTinyModel:
 
     def client(self, **kwargs):
         return self.server.client(**kwargs)
+
+    @contextlib.contextmanager
+    def run_dir(self, steps: tuple[int, ...] = (0,)) -> Iterator[Path]:
+        """A run directory of its own inside `root` (the server may reload from it) whose
+        `weights/step_N` for each of `steps` is a copy of `model_dir`; removed afterwards."""
+        run = self.root / f"run_{uuid.uuid4().hex[:8]}"
+        try:
+            for step in steps:
+                shutil.copytree(self.model_dir, step_dir(run, step))
+            yield run
+        finally:
+            shutil.rmtree(run, ignore_errors=True)
 
     def restore(self) -> None:
         """Serve step 0 again if a test left another version loaded (or never reloaded)."""
