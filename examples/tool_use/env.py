@@ -114,9 +114,9 @@ class LookupEnv(Environment):
         played = await asyncio.gather(*(asyncio.gather(*(self.episode(task, ctx, k) for k in range(self.samples_per_prompt)))
                                         for task in tasks))
         for task, samples in zip(tasks, played):
-            run.traces += [{"prompt": self.prompt(task), "completions": s.metadata["completions"], "reward": s.reward,
-                            "tool_called": s.metadata["tool_called"]} for s in samples]
-        return eval_metrics([([s.reward for s in samples], {}) for samples in played], self.samples_per_prompt)
+            run.traces += [{"prompt": self.prompt(task), "completions": sample.metadata["completions"],
+                            "reward": sample.reward, "tool_called": sample.metadata["tool_called"]} for sample in samples]
+        return eval_metrics([([sample.reward for sample in samples], {}) for samples in played], self.samples_per_prompt)
 
     async def episode(self, task: dict, ctx: RolloutContext, k: int = 0) -> Sample:
         """One multi-turn rollout: sample a turn; run a tool call, or remind the model to make
