@@ -40,6 +40,9 @@ class LitRLCLI(LightningCLI):
       model (plain SFT) leave it idle.
     - A config value that a class rejects (a ValueError from its `__init__`, a Lightning
       MisconfigurationException) is a UserError: one message, no traceback.
+    - A run that fails before it logs anything (a data file the datamodule refuses, say) leaves
+      no empty `logs/version_N` behind: Lightning creates the logger's directory before the
+      datamodule's setup, and each such attempt would push the next run's logs one version on.
     """
 
     def __init__(self, *args, **kwargs):
@@ -87,6 +90,13 @@ class LitRLCLI(LightningCLI):
                 raise
             raise UserError(f"invalid config: {cause}") from e
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            remove_empty_log_dir(self.trainer)
+            raise
+
     def _instantiate_trainer(self, config, callbacks):
         given = [*(config.get("callbacks") or []), *callbacks]
         if config.get("enable_checkpointing") is not False and not any(isinstance(c, ModelCheckpoint) for c in given):
@@ -94,6 +104,25 @@ class LitRLCLI(LightningCLI):
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
             callbacks = [*callbacks, StepProgressBar()]
         return super()._instantiate_trainer(config, callbacks)
+
+
+def remove_empty_log_dir(trainer) -> None:
+    """Remove the logger's version directory of a run that failed before writing a file into it,
+    and the `logs` directory above it if that is then empty. A directory with any file in it (a
+    run that logged, a user's notes) is left as it is."""
+    import contextlib
+    from pathlib import Path
+
+    log_dir = getattr(trainer.logger, "log_dir", None) if trainer is not None and trainer.global_rank == 0 else None
+    if not isinstance(log_dir, str):
+        return
+    try:
+        Path(log_dir).rmdir()  # only an empty directory
+    except OSError:
+        return
+    if Path(log_dir).parent.name == "logs":
+        with contextlib.suppress(OSError):
+            Path(log_dir).parent.rmdir()
 
 
 CPU_PROCESSES = 2

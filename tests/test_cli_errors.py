@@ -50,9 +50,19 @@ def test_missing_data_file_as_the_user_sees_it(tmp_path, monkeypatch):
 
 
 def test_missing_column(tmp_path, capsys):
+    """...and the refused run leaves no empty `logs/version_N` (Lightning makes it before the
+    datamodule's setup), while an earlier run's logs stay as they are."""
+    earlier = tmp_path / "run" / "logs" / "version_0"
+    earlier.mkdir(parents=True)
+    (earlier / "metrics.csv").write_text("step,train/loss\n0,1.0\n")
     data = write_jsonl(tmp_path / "wrong.jsonl", [{"question": "hi", "answer": "ho"}] * 8)
     err = user_error(fit_args(tmp_path, data), capsys)
     assert "'messages'" in err and "'prompt'" in err and "question" in err, err
+    assert sorted(p.name for p in (tmp_path / "run" / "logs").iterdir()) == ["version_0"]
+    assert (earlier / "metrics.csv").read_text() == "step,train/loss\n0,1.0\n"
+    # the same refusal in a fresh directory leaves no logs/ at all
+    err = user_error(fit_args(tmp_path / "fresh", data), capsys)
+    assert not (tmp_path / "fresh" / "run" / "logs").exists()
 
 
 def test_a_row_that_is_not_json_is_named(tmp_path, capsys):
