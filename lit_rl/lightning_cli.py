@@ -167,14 +167,16 @@ def quiet_dependency_chatter() -> None:
     """Drop output that says nothing about the run: Lightning's advertising tips ("💡 Tip: ...
     try installing litlogger") and transformers' progress bars, which every weight sync of an RL
     run would print twice ("Writing model shards", "Loading weights"); lit-rl prints its own line
-    per checkpoint. And two warnings, each with a file path into site-packages, that no user can act
+    per checkpoint. And three warnings, each with a file path into site-packages, that no user can act
     on: Lightning's "You defined a `validation_step` but have no `val_dataloader`" (every RL run: RL
-    data modules have no validation loader by design), and torch 2.13's deprecation of what
-    Lightning 2.6's pytree helper calls."""
+    data modules have no validation loader by design), its "Total length of `list` across ranks is
+    zero" (an SFT run without held-out data: StaticDataModule's validation loader is then empty),
+    and torch 2.13's deprecation of what Lightning 2.6's pytree helper calls."""
     import logging
     import warnings
 
     warnings.filterwarnings("ignore", message="You defined a `validation_step` but have no `val_dataloader`")
+    warnings.filterwarnings("ignore", message="Total length of `list` across ranks is zero")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
     from transformers.utils import logging as hf_logging
