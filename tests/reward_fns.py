@@ -62,3 +62,35 @@ async def says_hello(prompts, completions, **columns):
     await asyncio.sleep(0)
     CALLS.append({"fn": "says_hello", "prompts": prompts, "completions": completions})
     return [float("hello" in c[0]["content"]) for c in completions]
+
+
+def shaped_by_step(prompts, completions, trainer_state, log_metric, log_extra, **columns):
+    """TRL's progress-shaped reward: the step the group was sampled at, logging a metric and a column."""
+    log_metric("completion_chars", sum(len(c) for c in completions) / len(completions))
+    log_extra("chars", [len(c) for c in completions])
+    return [float(trainer_state.global_step)] * len(completions)
+
+
+def names_its_arguments(completions, question, answer):
+    """No **kwargs: gets only what it names, the prompt column among them."""
+    return [float(q.startswith("What") and a == "4") for q, a in zip(question, answer)]
+
+
+def numpy_values(prompts, completions, **columns):
+    import numpy as np
+
+    return np.arange(len(completions), dtype=np.float32)
+
+
+def tensor_values(prompts, completions, **columns):
+    import torch
+
+    return torch.ones(len(completions))
+
+
+def scalar_tensors(prompts, completions, **columns):
+    import torch
+
+    return [torch.tensor(0.25) for _ in completions]
+
+

@@ -17,14 +17,15 @@ import reward_fns
 from helpers import TINY_MODEL, doc_yaml_blocks, write_jsonl
 from transformers import AutoTokenizer
 
-from lit_rl.data.rollout_traces import rollout_stats
+from lit_rl.data.rollout_traces import rollout_stats, trace_batch
 from lit_rl.data.samples import Sample
 from lit_rl.inference.client import chat_prompt_ids
 from lit_rl.rewards import exact_match, length_penalty, math_verify, normalize_answer, regex_match
 from lit_rl.rollouts import DatasetEnv, RolloutContext, TrainSampling
 from lit_rl.rollouts.buffer import RolloutBuffer
+from lit_rl.rollouts.scheduler import Batch
 from lit_rl.rollouts.envs import EvalRun
-from lit_rl.rollouts.reward_functions import RewardFunction, RewardFunctionError
+from lit_rl.rollouts.reward_functions import RewardFunction, RewardFunctionError, RewardLog
 
 TOK = AutoTokenizer.from_pretrained(TINY_MODEL)
 ROWS = [{"question": "What is 1/2 + 1/4?", "answer": "\\frac{3}{4}", "level": 1},
@@ -154,6 +155,41 @@ def test_each_reward_is_logged_beside_the_sum():
     assert stats["reward/a"] == 1.0 and stats["reward/b"] == pytest.approx(0.35)  # None: left out of a's mean
 
 
+def test_trl_functions_get_what_trl_hands_them_and_may_return_arrays(tmp_path):
+    """TRL's `trainer_state`, `log_metric` and `log_extra`; only the named arguments to a function
+    without **kwargs, the prompt column among them; numpy and torch values, as TRL takes them."""
+    env = env_of(tmp_path, rewards=["reward_fns.names_its_arguments", "reward_fns.numpy_values",
+                                    "reward_fns.tensor_values", "reward_fns.scalar_tensors"])
+    total, parts = asyncio.run(env.score_group(["a", "b"], env.tasks()[1], [[1], [2]]))
+    assert parts == {"names_its_arguments": [1.0, 1.0], "numpy_values": [0.0, 1.0], "tensor_values": [1.0, 1.0],
+                     "scalar_tensors": [0.25, 0.25]}
+    assert total == [2.25, 3.25]
+    with pytest.raises(ValueError, match=r"column\(s\) \['completions'\] named as arguments TRL-form reward functions"):
+        env_of(tmp_path, rows=[{**r, "completions": 1} for r in ROWS], rewards=["reward_fns.numpy_values"]).tasks()
+    with pytest.raises(RewardFunctionError, match=r"row 0: log_extra\('chars', ...\) got 1 values for 2 completions"):
+        RewardLog(extra={"chars": [1]}).extra_of(2, "0")
+    with pytest.raises(RewardFunctionError, match=r"log_extra\('when', ...\): values must be JSON"):
+        RewardLog(extra={"when": [object(), 1]}).extra_of(2, "0")
+    with pytest.raises(RewardFunctionError, match=r"log_metric\('x', nan\): expected a metric name and a finite number"):
+        RewardLog().log_metric("x", float("nan"))
+
+
+def test_reward_metrics_and_sampled_lengths_are_logged_from_every_sample(tmp_path):
+    """`reward_metric/<name>`: the mean of what the functions logged; a sample a filter kept
+    from training still counts its sampled tokens in `completion_length`."""
+    kept = Sample(input_ids=[1, 2, 3], loss_mask=[False, True, True], advantages=[0.0, 1.0, 1.0], reward=1.0,
+                  metadata={"completion_tokens": 2, "reward_metrics": {"chars": 4.0}})
+    filtered = Sample(input_ids=[1] + [2] * 8, loss_mask=[False] * 9, advantages=[0.0] * 9, reward=0.0,
+                      metadata={"completion_tokens": 8, "filtered": "repetition", "reward_metrics": {"chars": 10.0}})
+    stats = rollout_stats([kept, filtered], [0, 0])
+    assert stats["completion_length"] == 5.0 and stats["reward_metric/chars"] == 7.0
+    # what log_extra recorded goes with each sample into the run's traces (TRL's completions table)
+    kept.metadata["extra"] = {"chars": 4}
+    trace_batch(tmp_path, 5, Batch([kept], index=5, versions=[5]), {})
+    line = json.loads((tmp_path / "rollouts" / "trained.jsonl").read_text())
+    assert line["step"] == 5 and line["samples"][0]["extra"] == {"chars": 4}
+
+
 # ---- against the real server -----------------------------------------------------------------------
 
 def test_rollout_and_eval_score_the_sampled_ids_with_every_function(vllm_server, tmp_path):
@@ -167,9 +203,21 @@ def test_rollout_and_eval_score_the_sampled_ids_with_every_function(vllm_server,
                                  policy_version=0)
             group = await env.rollout(task, ctx)
             metrics = await env.evaluate(EvalRun(step=0, step_dir=vllm_server.model_dir, client=client))
-            return group, metrics
+            # TRL's trainer_state, log_metric and log_extra: at the rollout's policy version, the eval's step
+            ctx = RolloutContext(client=client, tokenizer=TOK, sampling=TrainSampling(max_tokens=12), group_size=3,
+                                 policy_version=7)
+            shaped = await by_step.rollout(task, ctx)
+            shaped_metrics = await by_step.evaluate(EvalRun(step=3, step_dir=vllm_server.model_dir, client=client))
+            return group, metrics, shaped, shaped_metrics
 
-    group, metrics = asyncio.run(run())
+    by_step = env_of(tmp_path, rewards=["reward_fns.shaped_by_step"], max_tokens=12)
+    group, metrics, shaped, shaped_metrics = asyncio.run(run())
+    chars = [len(s.metadata["completion"]) for s in shaped.samples]
+    assert [s.reward for s in shaped.samples] == [7.0] * 3
+    assert [s.metadata["extra"] for s in shaped.samples] == [{"chars": n} for n in chars]
+    assert [s.metadata["reward_metrics"] for s in shaped.samples] == [{"completion_chars": sum(chars) / 3}] * 3
+    assert shaped_metrics["reward"] == 3.0 and shaped_metrics["reward_metric/completion_chars"] >= 0
+    assert set(shaped_metrics) >= {"reward", "reward/shaped_by_step", "reward_metric/completion_chars"}
     prompt = chat_prompt_ids(TOK, [{"role": "system", "content": "Answer."}, {"role": "user", "content": ROWS[2]["question"]}])
     ids = [s.input_ids[len(prompt):] for s in group.samples]
     texts = [TOK.decode(i, skip_special_tokens=True) for i in ids]
@@ -177,7 +225,7 @@ def test_rollout_and_eval_score_the_sampled_ids_with_every_function(vllm_server,
     trl_call = next(c for c in reward_fns.CALLS if c["fn"] == "longer_is_better")
     assert trl_call["prompts"] == [ROWS[2]["question"]] * 3 and trl_call["completions"] == texts  # text prompts: text
     assert trl_call["completion_ids"] == ids and trl_call["level"] == [3] * 3
-    assert trl_call["columns"] == ["answer", "task_ids"]
+    assert trl_call["columns"] == ["answer", "log_extra", "log_metric", "question", "task_ids", "trainer_state"]
     for s, i, text in zip(group.samples, ids, texts):
         parts = {"longer_is_better": len(i) / 10 * 3, "mentions": float("Earth" in text)}
         assert s.metadata["rewards"] == pytest.approx(parts)

@@ -35,7 +35,7 @@ def trace_batch(root: Path, step: int, batch, replay: dict) -> None:
     which task and policy version, with what reward, and which rows of each replay source."""
     path = root / "rollouts" / "trained.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    keep = ("draw", "member", "task_index", "task_id", "completion", "rewards")
+    keep = ("draw", "member", "task_index", "task_id", "completion", "rewards", "extra")
     rows = [{"policy_version": s.policy_version, "reward": s.reward, "finish_reason": s.finish_reason,
              **{k: s.metadata[k] for k in keep if k in s.metadata}} for s in batch]
     line = {"step": step, "batch": batch.index, "samples": rows}
@@ -58,20 +58,26 @@ def trace_share(root: Path, step: int, rank: int, mine: list) -> None:
 
 def rollout_stats(samples, staleness: list[int]) -> dict[str, float]:
     """What GRPO logs about the step's rollouts (every rank computes them from the whole batch;
-    replay rows are not rollouts and are not in `samples`): `reward` is the samples' reward, and
-    `reward/<name>` the mean of each named part of it an environment reported."""
+    replay rows are not rollouts and are not in `samples`): `reward` is the samples' reward,
+    `reward/<name>` the mean of each named part of it an environment reported, and
+    `reward_metric/<name>` of what its reward functions logged (`RewardLog`).
+    `completion_length` counts the tokens sampled, also of a sample a filter kept from training."""
     rewards = [s.reward for s in samples]
     staleness = [age for s, age in zip(samples, staleness) if s.has_sampling_logprobs] or [0]  # others never age
     advantages = [next((a for a, m in zip(s.advantages, s.loss_mask) if m), 0.0) for s in samples]
-    lengths = [sum(s.loss_mask) for s in samples]
+    lengths = [s.metadata.get("completion_tokens", sum(s.loss_mask)) for s in samples]
     mean_adv = sum(advantages) / len(advantages)
     parts: dict[str, list[float]] = {}  # an environment's named rewards (DatasetEnv's functions), where they apply
+    logged: dict[str, list[float]] = {}
     for s in samples:
         for name, value in (s.metadata.get("rewards") or {}).items():
             if value is not None:
                 parts.setdefault(name, []).append(value)
+        for name, value in (s.metadata.get("reward_metrics") or {}).items():
+            logged.setdefault(name, []).append(value)
     return {
         **{f"reward/{name}": sum(values) / len(values) for name, values in parts.items()},
+        **{f"reward_metric/{name}": sum(values) / len(values) for name, values in logged.items()},
         "reward": sum(rewards) / len(rewards),
         "advantage_std": math.sqrt(sum((a - mean_adv) ** 2 for a in advantages) / len(advantages)),
         "staleness_mean": sum(staleness) / len(staleness),

@@ -15,17 +15,27 @@ work unchanged; see `lit_rl.rollouts.reward_functions`) as a lit-rl environment:
 object serves GRPO rollouts, online evals and `lit-rl evaluate`. A sample's reward is the
 weighted sum of the functions; each function's own value is kept in the sample's
 ``metadata["rewards"]`` and logged as ``train/reward/<name>`` (``eval/<env>/reward/<name>``).
+What the functions log through TRL's ``log_metric`` and ``log_extra`` goes with the group's
+samples the same way (`RewardLog`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 from typing import Any
 
 from lit_rl.data.sources import open_split
-from lit_rl.rollouts.envs import Environment
-from lit_rl.rollouts.reward_functions import RewardFunction, import_callable, weighted_sum
+from lit_rl.data.samples import SampleGroup
+from lit_rl.rollouts.context import RolloutContext
+from lit_rl.rollouts.envs import Environment, EvalRun
+from lit_rl.rollouts.reward_functions import PROVIDED, RewardFunction, RewardLog, RewardState, import_callable, weighted_sum
+
+#: the step and the log of the rollout or eval being scored: set by `rollout` and `evaluate` for
+#: the reward functions `score_group` calls (an asyncio task's own value, so concurrent rollouts
+#: each see theirs), without changing `Environment.score_group`'s signature
+_SCORING: contextvars.ContextVar[tuple[RewardState, RewardLog] | None] = contextvars.ContextVar("scoring", default=None)
 
 
 class DatasetEnv(Environment):
@@ -104,6 +114,10 @@ class DatasetEnv(Environment):
         missing = [f"{c!r} (for {who})" for c, who in needed.items() if c not in present]
         if missing:
             raise ValueError(f"DatasetEnv: {self.path} has no column {', '.join(missing)}; its columns: {present}")
+        clashing = [c for c in present if c in PROVIDED]
+        if clashing and any(f.form == "trl" for f in functions):
+            raise ValueError(f"DatasetEnv: {self.path} has column(s) {clashing} named as arguments TRL-form reward "
+                             f"functions are given ({', '.join(PROVIDED)}); rename the column(s)")
         tasks = []
         for i, row in enumerate(rows):
             if row_filter is not None and not row_filter(row):
@@ -138,12 +152,41 @@ class DatasetEnv(Environment):
         prompt = row[self.prompt_column]
         conversational = not isinstance(prompt, str)
         texts = [[{"role": "assistant", "content": c}] for c in completions] if conversational else list(completions)
-        columns = {k: [v] * n for k, v in row.items() if k != self.prompt_column}
+        columns = {k: [v] * n for k, v in row.items()}
+        state, log = _SCORING.get() or (RewardState(), RewardLog())
         values = await asyncio.gather(*(
-            f([prompt] * n, texts if f.form == "trl" else list(completions), columns, [task] * n, completion_ids, task["id"])
+            f([prompt] * n, texts if f.form == "trl" else list(completions), columns, [task] * n, completion_ids,
+              task["id"], state, log)
             for f in self.functions))
         parts = {f.name: v for f, v in zip(self.functions, values)}
         return weighted_sum(parts, {f.name: f.weight for f in self.functions}, task["id"]), parts
+
+    async def rollout(self, task: dict, ctx: RolloutContext) -> SampleGroup:
+        """`Environment.rollout`, with the functions' `RewardState` at the rollout's policy
+        version, and what they logged put on each sample."""
+        log = RewardLog()
+        token = _SCORING.set((RewardState(ctx.policy_version), log))
+        try:
+            group = await super().rollout(task, ctx)
+        finally:
+            _SCORING.reset(token)
+        if log.metrics or log.extra:
+            means, extra = log.metric_means(), log.extra_of(len(group.samples), task["id"])
+            for sample, columns in zip(group.samples, extra):
+                sample.metadata.update({"reward_metrics": means} if means else {})
+                sample.metadata.update({"extra": columns} if columns else {})
+        return group
+
+    async def evaluate(self, run: EvalRun) -> dict[str, float]:
+        """`Environment.evaluate`, with the functions' `RewardState` at the checkpoint's step and
+        the means of what they logged with `log_metric` as ``reward_metric/<name>``."""
+        log = RewardLog()
+        token = _SCORING.set((RewardState(run.step), log))
+        try:
+            metrics = await super().evaluate(run)
+        finally:
+            _SCORING.reset(token)
+        return {**metrics, **{f"reward_metric/{name}": v for name, v in log.metric_means().items()}}
 
     def reward(self, completion: str, task: dict) -> float:
         raise NotImplementedError("DatasetEnv scores a group at once: call score_group")

@@ -6,9 +6,13 @@ Two signatures are accepted, told apart by their parameter names:
   list[float | None]``, called once per group with one entry per completion. ``prompts`` and
   ``completions`` are chat messages when the dataset's prompts are messages (TRL's
   "conversational" format: a completion is ``[{"role": "assistant", "content": text}]``) and
-  strings when they are strings; every other column of the row comes as a list, as do
-  ``completion_ids`` (the sampled token ids) and ``task_ids``. ``None`` means "does not apply to
-  this completion": it adds nothing to the weighted sum and is left out of that reward's mean.
+  strings when they are strings; every column of the row comes as a list, as do
+  ``completion_ids`` (the sampled token ids) and ``task_ids``; and, as TRL hands them,
+  ``trainer_state`` (`RewardState`: ``global_step``), ``log_metric(name, value)`` and
+  ``log_extra(column, values)`` (`RewardLog`). A function without ``**kwargs`` gets only the
+  arguments it names. It returns a list (or an array: numpy's, torch's) with one value per
+  completion; ``None`` means "does not apply to this completion": it adds nothing to the weighted
+  sum and is left out of that reward's mean.
 - **lit-rl's per-sample form** (``completion`` among the parameters): ``fn(completion, task) ->
   float``, as `Environment.reward`, with ``task["row"]`` the dataset row.
 
@@ -26,6 +30,7 @@ import inspect
 import math
 import numbers
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from lit_rl.rewards.extras import require
@@ -38,6 +43,57 @@ PROVIDED = ("prompts", "completions", "completion_ids", "task_ids", "trainer_sta
 class RewardFunctionError(ValueError):
     """A reward function raised or returned something unusable for one group (retried, then the
     task rejected, under the rollout buffer's rules)."""
+
+
+@dataclass(frozen=True)
+class RewardState:
+    """What a TRL-form function gets as ``trainer_state`` (TRL hands its `TrainerState`, for
+    rewards shaped by training's progress): ``global_step`` is the optimizer steps the weights
+    that sampled the group had taken (its policy version); in an eval, the checkpoint's step."""
+
+    global_step: int = 0
+
+
+@dataclass
+class RewardLog:
+    """What TRL-form functions log while scoring one group, through the ``log_metric`` and
+    ``log_extra`` they are handed. A rollout's samples carry it (``metadata["reward_metrics"]``,
+    logged as ``train/reward_metric/<name>``, the mean over the step's samples;
+    ``metadata["extra"]``, written with each sample to ``rollouts/trained.jsonl``, TRL's
+    completions table); an eval logs the metrics as ``eval/<env>/reward_metric/<name>``."""
+
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    extra: dict[str, list] = field(default_factory=dict)
+
+    def log_metric(self, name: str, value: float) -> None:
+        if hasattr(value, "item") and not isinstance(value, numbers.Real):
+            value = value.item()  # a 0-d array or tensor
+        if not isinstance(name, str) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise RewardFunctionError(f"log_metric({name!r}, {value!r}): expected a metric name and a finite number")
+        self.metrics.setdefault(name, []).append(float(value))
+
+    def log_extra(self, column: str, values: Sequence) -> None:
+        if not isinstance(column, str):
+            raise RewardFunctionError(f"log_extra({column!r}, ...): the column must be a name")
+        self.extra[column] = list(values.tolist() if hasattr(values, "tolist") else values)
+
+    def metric_means(self) -> dict[str, float]:
+        return {name: sum(values) / len(values) for name, values in self.metrics.items()}
+
+    def extra_of(self, n: int, row: Any) -> list[dict]:
+        """Each completion's logged columns, checked: one value per completion, JSON-serialisable."""
+        import json
+
+        for column, values in self.extra.items():
+            if len(values) != n:
+                raise RewardFunctionError(f"row {row}: log_extra({column!r}, ...) got {len(values)} values for {n} "
+                                          "completions; log one per completion")
+            try:
+                json.dumps(values)
+            except (TypeError, ValueError) as e:
+                raise RewardFunctionError(f"row {row}: log_extra({column!r}, ...): values must be JSON "
+                                          f"(numbers, strings, lists, dicts): {e}") from None
+        return [{column: values[i] for column, values in self.extra.items()} for i in range(n)]
 
 
 def import_callable(path: str, what: str) -> Callable:
@@ -78,6 +134,8 @@ class RewardFunction:
         self.weight, self.where = float(weight), where
         self.name = name or getattr(fn, "__name__", None) or type(fn).__name__
         params = inspect.signature(self.fn).parameters
+        self.takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        self.params = set(params)
         if "completions" in params:
             self.form = "trl"
         elif "completion" in params:
@@ -95,13 +153,17 @@ class RewardFunction:
             self.columns = []
 
     async def __call__(self, prompts: list, completions: list, columns: dict[str, list], tasks: list[dict],
-                       completion_ids: list[list[int]] | None, row: Any) -> list[float | None]:
+                       completion_ids: list[list[int]] | None, row: Any, state: RewardState | None = None,
+                       log: RewardLog | None = None) -> list[float | None]:
         """The function's value for each completion of one task's group, checked: one finite
         number (or None) per completion, else a `RewardFunctionError` naming it and the row."""
         try:
             if self.form == "trl":
-                value = self.fn(prompts=prompts, completions=completions, completion_ids=completion_ids,
-                                task_ids=[t.get("id") for t in tasks], **columns)
+                log = log if log is not None else RewardLog()
+                given = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
+                         "task_ids": [t.get("id") for t in tasks], "trainer_state": state or RewardState(),
+                         "log_metric": log.log_metric, "log_extra": log.log_extra, **columns}
+                value = self.fn(**(given if self.takes_any else {k: v for k, v in given.items() if k in self.params}))
                 if inspect.isawaitable(value):
                     value = await value
                 values = value
@@ -117,6 +179,8 @@ class RewardFunction:
         return self.check(values, len(completions), row)
 
     def check(self, values: Any, n: int, row: Any) -> list[float | None]:
+        if hasattr(values, "tolist") and not isinstance(values, Sequence):  # numpy's or torch's array, as TRL takes
+            values = values.tolist()
         if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
             raise RewardFunctionError(f"reward function {self.name!r} on row {row}: returned {type(values).__name__}; "
                                       f"expected a list of {n} numbers (one per completion)")
@@ -125,6 +189,8 @@ class RewardFunction:
                                       f"for {n} completions")
         out: list[float | None] = []
         for i, v in enumerate(values):
+            if hasattr(v, "item") and not isinstance(v, numbers.Real):  # a 0-d array or tensor in a list
+                v = v.item()
             if v is not None and (not isinstance(v, numbers.Real) or not math.isfinite(v)):
                 raise RewardFunctionError(f"reward function {self.name!r} on row {row}: value {i} is {v!r}; "
                                           "expected a finite number or None")
