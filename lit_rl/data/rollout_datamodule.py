@@ -83,6 +83,7 @@ class RolloutDataModule(L.LightningDataModule):
         enforce_filters: list[str] | None = None,
         num_retries: int = 2,
         on_failure: str = "reject",
+        max_consecutive_failures: int | None = 16,
         requests_per_minute: float | None = None,
         seed: int | None = None,
         micro_batch_tokens: int = 8192,
@@ -116,6 +117,9 @@ class RolloutDataModule(L.LightningDataModule):
                 ``repetition``); both are always measured.
             num_retries: retries of a failed rollout before it is rejected (or raised).
             on_failure: ``reject`` or ``raise`` once a rollout's retries are spent.
+            max_consecutive_failures: this many rejected rollouts in a row (none accepted in
+                between) stop the run: a broken environment or reward function fails fast
+                instead of drawing task after task. None: never.
             requests_per_minute: pace rollout starts for rate-limited endpoints.
             seed: seed of the task order; None: the run's ``seed_everything`` (lit_rl/run_seed.py).
             micro_batch_tokens, packing, pack_length: the layout of a step, as in
@@ -146,6 +150,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.scale, self.skip_zero_advantage = scale, skip_zero_advantage
         self.enforce_filters = list(enforce_filters or [])
         self.num_retries, self.on_failure, self.requests_per_minute = num_retries, on_failure, requests_per_minute
+        self.max_consecutive_failures = max_consecutive_failures
         self.seed = seed
         self.micro_batch_tokens, self.packing, self.pack_length = micro_batch_tokens, packing, pack_length
         self.batch_timeout, self.progress_every = batch_timeout, progress_every
@@ -175,6 +180,9 @@ class RolloutDataModule(L.LightningDataModule):
         problems += self.mix.problems()
         if self.batch_timeout <= 0:
             problems.append(f"data.batch_timeout must be > 0, got {self.batch_timeout}")
+        limit = self.max_consecutive_failures
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            problems.append(f"data.max_consecutive_failures must be an int >= 1 or null, got {limit!r}")
         if not isinstance(self.env, Environment) and not callable(getattr(self.env, "rollout", None)):
             problems.append(f"data.env must be an Environment, got {type(self.env).__name__}")
         elif isinstance(self.env, Environment):
@@ -315,6 +323,7 @@ class RolloutDataModule(L.LightningDataModule):
             max_staleness=self.max_staleness if self.source == "policy" else 1,
             drop_stale=self.drop_stale, num_batches=self._num_batches(), updates_per_batch=self.updates_per_batch,
             num_retries=self.num_retries, on_failure=self.on_failure, scale=self.scale,
+            max_consecutive_failures=self.max_consecutive_failures,
             skip_zero_advantage=self.skip_zero_advantage, filters=filters,
             requests_per_minute=self.requests_per_minute, seed=self.task_order_seed,
             chat_template_kwargs=self.chat_template_kwargs,
