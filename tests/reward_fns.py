@@ -94,3 +94,15 @@ def scalar_tensors(prompts, completions, **columns):
     return [torch.tensor(0.25) for _ in completions]
 
 
+
+
+JUDGE = {"in_flight": 0, "most": 0}
+
+
+async def slow_judge(completion, task):
+    """lit-rl's per-sample form, async and slow (an LLM judge): counts the calls in flight at once."""
+    JUDGE["in_flight"] += 1
+    JUDGE["most"] = max(JUDGE["most"], JUDGE["in_flight"])
+    await asyncio.sleep(0.05)
+    JUDGE["in_flight"] -= 1
+    return float(len(completion))

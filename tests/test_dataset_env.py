@@ -174,6 +174,15 @@ def test_trl_functions_get_what_trl_hands_them_and_may_return_arrays(tmp_path):
         RewardLog().log_metric("x", float("nan"))
 
 
+def test_an_async_per_sample_function_scores_a_group_concurrently(tmp_path):
+    """An async judge's eight calls for a group are in flight together, not one after another."""
+    env = env_of(tmp_path, rewards=["reward_fns.slow_judge"])
+    reward_fns.JUDGE.update(in_flight=0, most=0)
+    total, _ = asyncio.run(env.score_group([" " * i for i in range(8)], env.tasks()[0], None))
+    assert total == [float(i) for i in range(8)]
+    assert reward_fns.JUDGE["most"] == 8
+
+
 def test_reward_metrics_and_sampled_lengths_are_logged_from_every_sample(tmp_path):
     """`reward_metric/<name>`: the mean of what the functions logged; a sample a filter kept
     from training still counts its sampled tokens in `completion_length`."""

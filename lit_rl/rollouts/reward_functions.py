@@ -24,6 +24,7 @@ functions in its training loop: make a slow one async, or hand its work to a poo
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
 import inspect
@@ -167,11 +168,11 @@ class RewardFunction:
                 if inspect.isawaitable(value):
                     value = await value
                 values = value
-            else:
-                values = []
-                for completion, task in zip(completions, tasks):
-                    one = self.fn(completion=completion, task=task)
-                    values.append(await one if inspect.isawaitable(one) else one)
+            else:  # an async one (an LLM judge, say) scores the group's completions concurrently
+                values = [self.fn(completion=completion, task=task) for completion, task in zip(completions, tasks)]
+                pending = [i for i, v in enumerate(values) if inspect.isawaitable(v)]
+                for i, v in zip(pending, await asyncio.gather(*(values[i] for i in pending))):
+                    values[i] = v
         except RewardFunctionError:
             raise
         except Exception as e:
