@@ -104,6 +104,10 @@ class _Renderer:
             )
         except TemplateError as err:
             raise RenderError(f"chat template failed: {err}") from err
+        except Exception as err:
+            # A template's own bug (a TypeError on a row's values) is still this row's failure: it
+            # must name the row and obey bad_rows, not end the run with a traceback.
+            raise RenderError(f"chat template failed: {type(err).__name__}: {err}") from err
 
 
 def _stop_text(tok, closer: str) -> str | None:

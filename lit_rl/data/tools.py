@@ -110,6 +110,26 @@ def normalize_tools(tools: Any) -> list[dict] | None:
     return out or None
 
 
+def _join_text_parts(parts: Sequence, where: str) -> str:
+    """OpenAI-style content parts ``[{"type": "text", "text": ...}, ...]`` as one string.
+
+    Templates such as Qwen3's render non-string content as "", so a list passed on would train
+    on an empty turn. Text parts are joined with "\\n", as vLLM (our inference server) and TRL
+    join them, so training sees the text the served model sees. This library trains text
+    models: any other part (image, audio, ...) is an error, never silently dropped.
+    """
+    texts = []
+    for k, part in enumerate(parts):
+        kind = part.get("type", "text" if "text" in part else None) if isinstance(part, Mapping) else None
+        if kind != "text":
+            got = f"a {kind!r} part" if kind is not None else f"{type(part).__name__} {part!r}"[:80]
+            raise ValueError(f"{where}: content part {k} is {got}; only text parts are supported (text models)")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}: content part {k} has no string 'text', got {part.get('text')!r}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def normalize_messages(messages: Any) -> list[dict]:
     """Copy and validate a chat; tool calls get the OpenAI shape and unique, deterministic ids.
 
@@ -132,7 +152,9 @@ def normalize_messages(messages: Any) -> list[dict]:
             problem = "has no 'role'" if role is None else f"has unsupported role {role!r}"
             raise ValueError(f"message {i} {problem}; expected one of {', '.join(ROLES)}")
         content = msg.get("content")
-        if content is not None and not isinstance(content, (str, list)):
+        if isinstance(content, (list, tuple)):
+            content = msg["content"] = _join_text_parts(content, f"message {i} ({role})")
+        if content is not None and not isinstance(content, str):
             raise ValueError(f"message {i} ({role}): content must be a string or a list of parts, got {content!r}")
         if "tool_calls" in msg:
             if role != "assistant":
