@@ -197,8 +197,10 @@ def test_a_dataset_env_with_a_missing_column_and_a_bad_reward_is_one_message(tmp
     env = {"class_path": "lit_rl.rollouts.DatasetEnv", "init_args": {"path": data, "rewards": ["no_such_module.fn"]}}
     err = user_error(["fit", "--config", str(REPO / "examples/reverse_text/grpo.yaml"), "--model.init_args.model",
                       "lit-rl:tiny_qwen3", "--trainer.default_root_dir", str(tmp_path / "run"),
-                      "--data.init_args.env", json.dumps(env), "--data.init_args.max_consecutive_failures", "0"], capsys)
-    assert "RolloutDataModule: 2 problem(s)" in err and "Errors:" not in err, err
+                      "--data.init_args.env", json.dumps(env), "--data.init_args.max_consecutive_failures", "0",
+                      "--data.init_args.packing", "packed", "--data.init_args.pack_length", "9000"], capsys)
+    assert "RolloutDataModule: 3 problem(s)" in err and "Errors:" not in err, err
+    assert "data.pack_length (9000) exceeds data.micro_batch_tokens (" in err, err
     assert "data.env (DatasetEnv): DatasetEnv rewards[0]: cannot import module 'no_such_module'" in err, err
     assert "data.max_consecutive_failures must be an int >= 1 or null, got 0" in err, err
     env["init_args"]["rewards"] = ["lit_rl.rewards.exact_match"]

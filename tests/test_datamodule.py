@@ -166,3 +166,68 @@ def test_num_workers_auto_renders_inline_only_when_torch_has_every_core(tmp_path
     for bad in (-1, "two", 1.5, True):
         with pytest.raises(ValueError, match="data.num_workers must be 'auto' or a number >= 0"):
             StaticDataModule("unused.jsonl", num_workers=bad)
+
+
+def test_val_split_of_a_one_split_source_is_refused(tmp_path):
+    """A local file or a saved Dataset has one split: `val_split` would validate on the training rows."""
+    path = write_jsonl(tmp_path / "t.jsonl", reverse_rows(8))
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list(reverse_rows(8)).save_to_disk(str(saved))
+    for source in (path, str(saved)):
+        for stage in ("fit", "validate"):
+            with pytest.raises(ValueError, match=r"data.val_split \('test'\) needs a source with named splits.*data.val_path"):
+                dm_for(source, val_split="test").setup(stage)
+    # a saved DatasetDict has named splits: val_split picks one
+    both = tmp_path / "both"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(reverse_rows(8)),
+                          "test": datasets.Dataset.from_list(reverse_rows(3, offset=20))}).save_to_disk(str(both))
+    dm = dm_for(str(both), val_split="test")
+    dm.setup("fit")
+    assert list(dm._val.renderer.rows) == reverse_rows(3, offset=20) and len(dm._train.renderer.rows) == 8
+
+
+def test_pack_length_above_micro_batch_tokens_is_refused(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", reverse_rows(8))
+    with pytest.raises(ValueError, match=r"data.pack_length \(600\) exceeds data.micro_batch_tokens \(512\)"):
+        dm_for(path, packing="packed", pack_length=600).setup("fit")
+    dm_for(path, packing="packed", pack_length=512).setup("fit")
+
+
+def test_validation_sees_every_row_once_on_every_number_of_ranks():
+    for rows, batch, world in [(10, 4, 1), (10, 4, 2), (9, 4, 2), (3, 4, 2), (1, 4, 4), (13, 6, 3)]:
+        ranks = [list(StepBatchSampler(rows, batch, shuffle=False, rank=r, world_size=world, keep_last=True))
+                 for r in range(world)]
+        assert len({len(steps) for steps in ranks}) == 1  # every rank runs the same number of steps
+        seen = [i for steps in ranks for _, _, share in steps for i in share]
+        assert sorted(seen) == list(range(rows)), (rows, batch, world)
+        assert len(ranks[0]) == -(-rows // batch)
+
+
+def test_val_loss_is_the_token_mean_over_every_held_out_row(tmp_path):
+    """10 held-out rows, batch 4: three validation steps (4, 4, 2 rows), and val/loss is the mean
+    cross-entropy over the trained tokens of all 10 rows."""
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+
+    from lit_rl.modules.sft import SFT
+
+    rows = reverse_rows(10)
+    val = write_jsonl(tmp_path / "val.jsonl", rows)
+    dm = dm_for(val, val_path=val, shuffle=False)
+    dm.setup("validate")
+    assert [int(step["stats"]["rows"]) for step in dm.val_dataloader()] == [4, 4, 2]
+    module = SFT(model=TINY_MODEL, random_init=True)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False)
+    (metrics,) = trainer.validate(module, datamodule=dm)
+    renderer, total, count = dm._val.renderer, 0.0, 0
+    with torch.no_grad():
+        for i in range(len(rows)):
+            s = renderer.sample(i)
+            ids = torch.tensor([s.input_ids])
+            logits = module.model(input_ids=ids, use_cache=False).logits[0].float()
+            mask = torch.tensor(s.loss_mask[1:])
+            total += F.cross_entropy(logits[:-1][mask], ids[0, 1:][mask], reduction="sum").item()
+            count += int(mask.sum())
+    assert metrics["val/loss"] == pytest.approx(total / count, rel=1e-5)

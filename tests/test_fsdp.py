@@ -75,8 +75,11 @@ def ok(args, env=None):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp")
     data = write_jsonl(tmp / "train.jsonl", reverse_rows(32))
-    ok(fit(tmp / "one", data, 2))
-    out = ok(sharded(tmp / "two", data, 2))
+    # 9 held-out rows in steps of 8: the last step's one row leaves a rank with none (validated at step 2)
+    held_out = ["--data.init_args.val_path", write_jsonl(tmp / "val.jsonl", reverse_rows(9, offset=100)),
+                "--trainer.val_check_interval", "2", "--trainer.num_sanity_val_steps", "0"]
+    ok(fit(tmp / "one", data, 2, *held_out))
+    out = ok(sharded(tmp / "two", data, 2, *held_out))
     assert "Starting with 2 processes" in out.stdout + out.stderr  # fsdp2.yaml's devices: auto on CPU
     return tmp, data
 
@@ -94,6 +97,19 @@ def test_two_sharded_ranks_match_one_process(runs):
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=ATOL, rtol=0, msg=k)
+
+
+def test_sharded_validation_covers_every_row_as_one_process(runs):
+    """val/loss of 9 rows in steps of 8 over two ranks, one of which has no row in the last step
+    (it takes part in the forward's collectives with an empty micro-batch): one process's value."""
+    tmp, _ = runs
+
+    def val_loss(root: Path) -> float:
+        rows = [r for p in root.glob("logs/version_*/metrics.csv") for r in csv.DictReader(open(p)) if r.get("val/loss")]
+        assert len(rows) == 1, rows
+        return float(rows[0]["val/loss"])
+
+    assert val_loss(tmp / "two") == pytest.approx(val_loss(tmp / "one"), rel=1e-5, abs=0)
 
 
 def test_sharded_export_equals_one_process_export(runs):

@@ -81,6 +81,12 @@ def test_padding_fraction_and_oversized_sample():
         pack_micro_batches(make_samples([50]), micro_batch_tokens=40)
 
 
+def test_pack_length_above_the_micro_batch_budget_is_refused():
+    """A packed row of pack_length tokens is a whole micro-batch: a longer one breaks the bound."""
+    with pytest.raises(ValueError, match="pack_length=300 exceeds micro_batch_tokens=200"):
+        pack_micro_batches(make_samples([150] * 4), micro_batch_tokens=200, mode="packed", pack_length=300)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("mode", ["packed", "padded"])
 def test_packed_logits_equal_unpacked_logits(tiny_model, mode):

@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_rl.data.sampler import StepBatchSampler
+from lit_rl.data.sources import single_split_kind
 from lit_rl.data.steps import RowRenderer, StepDataset, open_row_renderer
 from lit_rl.data.workers import resolve_num_workers
 from lit_rl.run_seed import order_seed, saved_order_seed
@@ -85,7 +86,8 @@ class StaticDataModule(L.LightningDataModule):
             micro_batch_tokens: token slots per micro-batch (rows x longest row); bounds memory.
             packing: ``padded`` (one sample per row, grouped by length) or ``packed`` (several
                 samples per row, no attention across them).
-            pack_length: row length in ``packed`` mode; defaults to ``micro_batch_tokens``.
+            pack_length: row length in ``packed`` mode, at most ``micro_batch_tokens`` (its
+                default).
             max_length: longer samples are cut to this many tokens (and counted as truncated).
             bad_rows: ``error`` stops at a bad row naming it; ``skip`` counts and logs it.
             num_workers: DataLoader worker processes that render the next steps. ``auto``: none
@@ -134,8 +136,18 @@ class StaticDataModule(L.LightningDataModule):
             )
         if self.packing == "packed" and self.pack_length is not None and self.pack_length < self.max_length:
             problems.append(f"data.pack_length ({self.pack_length}) must be >= data.max_length ({self.max_length})")
+        if self.packing == "packed" and self.pack_length is not None and self.pack_length > self.micro_batch_tokens:
+            problems.append(
+                f"data.pack_length ({self.pack_length}) exceeds data.micro_batch_tokens ({self.micro_batch_tokens}): "
+                "one packed row would break the micro-batch memory bound"
+            )
         if self.val_path and self.val_split:
             problems.append("give data.val_path or data.val_split, not both")
+        elif self.val_split and (kind := single_split_kind(self.path)):
+            problems.append(
+                f"data.val_split ({self.val_split!r}) needs a source with named splits, but data.path {self.path!r} "
+                f"is {kind}, one split only (it would validate on the training rows); give held-out rows as data.val_path"
+            )
         return problems
 
     def resolve_tokenizer(self) -> str:
@@ -206,9 +218,9 @@ class StaticDataModule(L.LightningDataModule):
         if self._val is None:
             return []
         rank, world = self._rank()
-        rows = len(self._val.renderer.rows)
-        batch = max(world, min(self.batch_size, rows) // world * world)
-        return self._loader(self._val, StepBatchSampler(rows, batch, shuffle=False, rank=rank, world_size=world))
+        rows = len(self._val.renderer.rows)  # every row once: the last step holds the rest, on some ranks none
+        sampler = StepBatchSampler(rows, self.batch_size, shuffle=False, rank=rank, world_size=world, keep_last=True)
+        return self._loader(self._val, sampler)
 
     # ---- data position for exact resume -------------------------------------------------------
     def on_after_batch_transfer(self, batch, dataloader_idx: int):

@@ -122,6 +122,8 @@ def pack_micro_batches(
         return []
     longest = max(len(s) for s in samples)
     pack_length = pack_length or micro_batch_tokens
+    if mode == "packed" and pack_length > micro_batch_tokens:  # one such row alone breaks the budget
+        raise ValueError(f"pack_length={pack_length} exceeds micro_batch_tokens={micro_batch_tokens}")
     if longest > micro_batch_tokens or (mode == "packed" and longest > pack_length):
         raise ValueError(
             f"a sample of {longest} tokens does not fit micro_batch_tokens={micro_batch_tokens}"

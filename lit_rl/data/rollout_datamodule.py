@@ -172,6 +172,9 @@ class RolloutDataModule(L.LightningDataModule):
                             f"({self.group_size})")
         if self.packing not in PACKING_MODES:
             problems.append(f"data.packing must be one of {PACKING_MODES}, got {self.packing!r}")
+        if self.packing == "packed" and self.pack_length is not None and self.pack_length > self.micro_batch_tokens:
+            problems.append(f"data.pack_length ({self.pack_length}) exceeds data.micro_batch_tokens "
+                            f"({self.micro_batch_tokens}): one packed row would break the micro-batch memory bound")
         unknown = set(self.enforce_filters) - set(FILTERS)
         if unknown:
             problems.append(f"data.enforce_filters: unknown {sorted(unknown)}; known: {list(FILTERS)}")

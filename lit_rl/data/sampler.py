@@ -18,17 +18,23 @@ import torch
 
 class StepBatchSampler:
     def __init__(
-        self, num_rows: int, batch_size: int, *, shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1
+        self, num_rows: int, batch_size: int, *, shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1,
+        keep_last: bool = False,
     ):
+        """`keep_last` (validation): a last, smaller step holds the rows left over, so that every
+        row is seen exactly once; its rows are shared over the ranks as evenly as they go, and a
+        rank may get none (every rank still yields the step, so collectives line up)."""
         if batch_size % world_size:
             raise ValueError(f"batch_size={batch_size} must be divisible by the number of ranks ({world_size})")
-        if num_rows < batch_size:
+        if num_rows < batch_size and not keep_last:
             raise ValueError(f"the split has {num_rows} rows, fewer than one batch (batch_size={batch_size})")
         self.num_rows, self.batch_size, self.shuffle, self.seed = num_rows, batch_size, shuffle, seed
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.keep_last = rank, world_size, keep_last
         self.epoch, self.step = 0, 0  # where the next iteration starts
 
     def __len__(self) -> int:
+        if self.keep_last:
+            return (self.num_rows + self.batch_size - 1) // self.batch_size  # the last step may be short
         return self.num_rows // self.batch_size  # the last partial batch is dropped: every step has batch_size rows
 
     def resume_at(self, epoch: int, step_in_epoch: int) -> None:
@@ -43,10 +49,10 @@ class StepBatchSampler:
         epoch, first = self.epoch, self.step
         self.epoch, self.step = epoch + 1, 0
         order = self.order(epoch)
-        per_rank = self.batch_size // self.world_size
         for step in range(first, len(self)):
             rows = order[step * self.batch_size : (step + 1) * self.batch_size]
-            yield epoch, step, rows[self.rank * per_rank : (self.rank + 1) * per_rank]
+            n, r, w = len(rows), self.rank, self.world_size  # n == batch_size, a multiple of w, but in a kept last step
+            yield epoch, step, rows[r * n // w : (r + 1) * n // w]
 
 
 def row_order(num_rows: int, epoch: int, *, shuffle: bool, seed: int) -> list[int]:

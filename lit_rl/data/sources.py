@@ -21,6 +21,18 @@ def _local_builder(path: str) -> str | None:
     return None
 
 
+def single_split_kind(path: str) -> str | None:
+    """What `path` is when it holds one split only (local files, a saved Dataset), else None.
+
+    `open_split` gives such a source's rows whatever split is asked for, so a caller that wants a
+    split by name (a held-out split) must refuse these instead of training on their rows twice."""
+    if path.endswith(tuple(_BUILDERS)):
+        return "a local file"
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
+        return "a saved Dataset (not a DatasetDict)"
+    return None
+
+
 def open_split(
     path: str, *, subset: str | None = None, split: str = "train", data_files=None, max_examples: int | None = None
 ) -> datasets.Dataset:

@@ -384,9 +384,12 @@ class CausalLMModule(TrainingStep, L.LightningModule):
 
     # ---- validation: the same loss over a held-out split -------------------------------------
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        outs = (self._split_loss_output(self.micro_batch_loss_sum(mb))[0] for mb in batch["micro_batches"])
+        # as many micro-batches on every rank (empty ones where a rank has fewer rows, or none in the
+        # last step): under FSDP each forward is a collective
+        micro_batches = self._step_micro_batches(batch)
+        outs = (self._split_loss_output(self.micro_batch_loss_sum(mb))[0] for mb in micro_batches)
         loss_sum = sum((out.detach() for out in outs), torch.zeros((), device=self.device))
-        targets = sum(self.loss_normaliser(mb) for mb in batch["micro_batches"])
+        targets = sum(self.loss_normaliser(mb) for mb in micro_batches)
         self._val_sums.append(torch.stack([loss_sum.float().cpu(), torch.tensor(float(targets))]))
 
     def on_validation_epoch_end(self) -> None:
