@@ -31,6 +31,7 @@ from helpers import TINY_MODEL
 from transformers import AutoTokenizer
 
 from lit_rl.inference.client import (
+    ContextLengthError,
     InferenceClient,
     InferenceRequestError,
     InferenceServerError,
@@ -144,6 +145,34 @@ def test_teacher_scoring_matches_hf(vllm_server):
     assert len(scored) == len(ids) and scored[0] == 0.0
     print(f"max |vLLM - HF| teacher logprob: {max_diff(scored, ref):.2e}")
     assert max_diff(scored, ref) < LOGPROB_TOL
+
+
+def test_a_prompt_that_fills_the_context_is_refused_before_it_is_sent(vllm_server):
+    """vLLM caps a completion that would run past max_model_len itself, but answers 400 to a prompt
+    that fills the context (at exactly max_model_len: "max_tokens must be at least 1, got 0"). The
+    client knows the context from /v1/models and raises ContextLengthError first, for generate and
+    score, also when it was told the model's name (no lookup otherwise needed)."""
+    filler = [100 + i % 150 for i in range(1024)]
+
+    async def go(**kw):
+        async with vllm_server.client(**kw) as client:
+            limit = await client.max_model_len()
+            fits = await client.generate(filler[:1020], max_tokens=16, ignore_eos=True)
+            refused = []
+            for call in (lambda: client.generate(filler, max_tokens=1), lambda: client.score(filler + [100])):
+                with pytest.raises(ContextLengthError) as e:
+                    await call()
+                refused.append(str(e.value))
+            return limit, fits[0], refused
+
+    for kw in ({}, {"model": str(vllm_server.model_dir)}):
+        limit, fits, refused = run(go(**kw))
+        assert limit == 1024
+        assert (len(fits.completion_ids), fits.finish_reason) == (4, "length")  # vLLM capped it at the context
+        assert refused == ["generate: the prompt has 1024 tokens and the server's context (max_model_len) is 1024: "
+                           "no room for a completion",
+                           "score: the prompt has 1025 tokens and the server's context (max_model_len) is 1024: "
+                           "no room for a completion"]
 
 
 def test_reload_changes_outputs_and_restores_them_exactly(vllm_server):

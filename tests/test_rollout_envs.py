@@ -390,6 +390,30 @@ def test_multi_turn_lookup_through_vllm(vllm_server):
     assert worst < LOGPROB_TOL
 
 
+def test_an_episode_that_fills_the_context_ends_there_and_trains_what_it_sampled():
+    """The client refuses a turn whose transcript fills the server's context (ContextLengthError):
+    LookupEnv's episode ends with the turns it has, without the reminder no turn answered; a first
+    prompt that does not fit is the task's error, as for a single-turn rollout."""
+    from lit_rl.inference import ContextLengthError
+
+    class FullAfter(ScriptedClient):
+        async def generate(self, prompt_ids, *, n=1, **kwargs):
+            if not self.turns:
+                raise ContextLengthError(f"generate: the prompt has {len(prompt_ids)} tokens ...")
+            return await super().generate(prompt_ids, n=n, **kwargs)
+
+    env = LookupEnv(num_tasks=1, max_turns=4)
+    task = env.tasks()[0]
+    client = FullAfter([("hello", "length"), ("still no call", "length")])
+    s = asyncio.run(env.rollout(task, context(client, group_size=1, max_tokens=64))).samples[0]
+    assert (s.reward, s.metadata["turns"], len(target_runs(s))) == (0.0, 2, 2)
+    assert s.loss_mask[-1] and target_runs(s)[-1][1] == len(s.input_ids)  # ends with its last model turn
+    assert TOK.decode(s.input_ids).count(REMINDER) == 1 and s.truncated
+    assert_context_is_untrained(s)
+    with pytest.raises(ContextLengthError):
+        asyncio.run(env.rollout(task, context(FullAfter([]), group_size=1, max_tokens=64)))
+
+
 def test_lookup_env_offsets_a_fixed_seed_per_episode():
     """Each episode is its own n=1 request: one shared seed would make the group identical."""
     env = LookupEnv(num_tasks=1, max_turns=2)

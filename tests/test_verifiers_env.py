@@ -216,3 +216,34 @@ def test_the_yaml_in_docs_environments_builds_a_verifiers_env():
     assert env["class_path"] == "lit_rl.rollouts.VerifiersEnv"
     built = VerifiersEnv(**{**env["init_args"], "taskset": "vf_reverse"})
     assert len(built.tasks()) == len(vf_reverse.WORDS) and type(built.vf_env()).__name__ == "SingleAgentEnv"
+
+
+def test_an_episode_that_fills_the_context_ends_with_the_turns_it_has(vllm_server):
+    """The client refuses the second turn of `vf_again` as a prompt that fills the server's context
+    (ContextLengthError, raised before the request): the episode stops as verifiers' traces do
+    ("prompt_too_long") and trains its first turn, not the env's words after it."""
+    from lit_rl.inference import ContextLengthError
+
+    class FullAfterOneTurn:
+        def __init__(self, client):
+            self.client, self.calls = client, 0
+
+        async def generate(self, prompt_ids, **kwargs):
+            self.calls += 1
+            if self.calls > 1:
+                raise ContextLengthError(f"generate: the prompt has {len(prompt_ids)} tokens ...")
+            return await self.client.generate(prompt_ids, **kwargs)
+
+    env = VerifiersEnv("vf_reverse", env="vf_again", max_tokens=12)
+
+    async def run():
+        async with vllm_server.client() as client:
+            ctx = RolloutContext(client=FullAfterOneTurn(client), tokenizer=TOK, sampling=TrainSampling(max_tokens=12),
+                                 group_size=1, policy_version=0)
+            return await env.rollout(env.tasks()[0], ctx)
+
+    (sample,) = asyncio.run(run()).samples
+    prompt = Transcript.from_messages(TOK, [{"role": "user", "content": "Reverse the text: hello"}]).prompt_ids
+    assert len(model_turns(sample)) == 1 and sample.input_ids[:len(prompt)] == prompt
+    assert sample.loss_mask[-1] and vf_again.AGAIN not in TOK.decode(sample.input_ids)
+    assert sample.metadata["turns"] == 1

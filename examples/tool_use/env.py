@@ -17,6 +17,7 @@ import random
 import re
 
 from lit_rl.data.samples import Sample, SampleGroup
+from lit_rl.inference import ContextLengthError
 from lit_rl.rollouts import Environment, RolloutContext, TrainSampling, Transcript, completion_text
 from lit_rl.rollouts.envs import EvalRun, eval_metrics
 
@@ -128,7 +129,12 @@ class LookupEnv(Environment):
                                      chat_template_kwargs=ctx.chat_template_kwargs)
         called, texts, call = False, [], None
         while t.num_turns < self.max_turns:
-            completion = (await ctx.client.generate(t.prompt_ids, n=1, **sampling))[0]
+            try:
+                completion = (await ctx.client.generate(t.prompt_ids, n=1, **sampling))[0]
+            except ContextLengthError:  # the transcript fills the server's context: the episode ends here
+                if not t.num_turns:
+                    raise
+                break
             t.add_completion(completion)
             texts.append(completion_text(ctx.tokenizer, completion))
             call = parse_tool_call(texts[-1])

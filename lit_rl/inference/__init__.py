@@ -12,6 +12,7 @@
 
 from lit_rl.inference.client import (
     Completion,
+    ContextLengthError,
     InferenceClient,
     InferenceRequestError,
     InferenceServerError,
@@ -23,7 +24,7 @@ from lit_rl.inference.endpoint import Endpoint, open_endpoint
 from lit_rl.inference.server import ServerStartError, VLLMServer
 
 __all__ = [
-    "Completion", "Endpoint", "GPUPlan", "InferenceClient", "InferenceRuntime", "InferenceRequestError", "InferenceServerError",
+    "Completion", "ContextLengthError", "Endpoint", "GPUPlan", "InferenceClient", "InferenceRuntime", "InferenceRequestError", "InferenceServerError",
     "ReloadRefused", "ServerStartError", "VLLMServer", "chat_prompt_ids", "open_endpoint", "plan_gpus", "visible_gpus",
 ]
 

@@ -55,6 +55,13 @@ class InferenceRequestError(ValueError):
     """The server rejected a request (4xx), e.g. a prompt longer than its max model length."""
 
 
+class ContextLengthError(InferenceRequestError):
+    """The prompt leaves no room for a completion in the server's context (its `max_model_len`,
+    which `/v1/models` reports). Found before the request is sent: vLLM caps a completion that
+    would run past the context itself, but refuses a prompt that fills it, and no retry can help.
+    A multi-turn rollout whose transcript has filled the context ends its episode on it."""
+
+
 class ReloadRefused(ValueError):
     """lit-rl refused to send a weight-reload path (outside the run directory, or not STABLE)."""
 
@@ -166,6 +173,8 @@ class InferenceClient:
         )
         self._root = self.openai.with_options(base_url=self.root_url)  # same pool, for non-/v1 routes
         self._served_root: str | None = None
+        self._context_length: int | None = None  # the served model's max_model_len, from /v1/models
+        self._no_model_list = False
         self._stock_reload = False
         self._no_pause = False  # the server has no /pause (an older vLLM)
         self._reload_lock = asyncio.Lock()
@@ -203,6 +212,7 @@ class InferenceClient:
         if ignore_eos:
             body["ignore_eos"] = True
         optional = {"seed": seed, "stop": list(stop) if stop else None}
+        await self._check_room("generate", prompt_ids)
         settings = {"model": await self._model_name(), "max_tokens": max_tokens, "n": n, "temperature": temperature,
                     "top_p": top_p, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logprobs": 0, "extra_body": body,
                     **{k: v for k, v in optional.items() if v is not None}}
@@ -231,6 +241,7 @@ class InferenceClient:
         their log-probabilities (most likely first; [0] * k at position 0): a teacher's dense
         signal for distillation from one prefill. The server must allow k (vLLM's
         `--max-logprobs`, 20 by default)."""
+        await self._check_room("score", ids)
         (choice,) = await self._submit("score", ids, {
             "model": await self._model_name(), "max_tokens": 1, "temperature": 0.0,
             "extra_body": {**UNSET_SAMPLING, "prompt_logprobs": k, "return_token_ids": True}})
@@ -413,20 +424,47 @@ class InferenceClient:
 
     async def _model_name(self) -> str:
         if self.model is None:
-            # the first calls of a new client come together: one lookup, and all of them go on at
-            # once when it answers (a lock would let them through one loop turn apart)
-            lookup = self._model_lookup
-            if lookup is None or (lookup.done() and (lookup.cancelled() or lookup.exception() is not None)):
-                self._model_lookup = asyncio.ensure_future(self._list_models())
-            await asyncio.shield(self._model_lookup)
+            await self._look_up_model()
         return self.model
+
+    async def max_model_len(self) -> int | None:
+        """The served model's context (prompt + completion tokens), as `/v1/models` reports it;
+        None from a server that does not say (not vLLM)."""
+        await self._look_up_model()
+        return self._context_length
+
+    async def _check_room(self, what: str, prompt_ids: Sequence[int]) -> None:
+        if self._no_model_list:
+            return
+        try:
+            limit = await self.max_model_len()
+        except InferenceRequestError:
+            if self.model is None:
+                raise
+            self._no_model_list = True  # a server without /v1/models, told the model's name: nothing to check
+            return
+        if limit is not None and len(prompt_ids) >= limit:
+            raise ContextLengthError(f"{what}: the prompt has {len(prompt_ids)} tokens and the server's context "
+                                     f"(max_model_len) is {limit}: no room for a completion")
+
+    async def _look_up_model(self) -> None:
+        # the first calls of a new client come together: one lookup, and all of them go on at
+        # once when it answers (a lock would let them through one loop turn apart)
+        lookup = self._model_lookup
+        if lookup is None or (lookup.done() and (lookup.cancelled() or lookup.exception() is not None)):
+            self._model_lookup = asyncio.ensure_future(self._list_models())
+        await asyncio.shield(self._model_lookup)
 
     async def _list_models(self) -> None:
         models = await self._call("list models", self.openai.models.list())
         if not models.data:
             raise InferenceServerError(f"{self.base_url}/models lists no model")
-        self._served_root = (models.data[0].model_extra or {}).get("root")
-        self.model = models.data[0].id
+        served = next((m for m in models.data if m.id == self.model), models.data[0])
+        extra = served.model_extra or {}
+        self._served_root = extra.get("root")
+        length = extra.get("max_model_len")
+        self._context_length = length if isinstance(length, int) and length > 0 else None
+        self.model = self.model or served.id
 
     async def tokenizer(self):
         if self._tokenizer is None or isinstance(self._tokenizer, (str, Path)):

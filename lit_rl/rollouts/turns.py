@@ -10,7 +10,10 @@ scaffolding around them; all of it is context (masked, logprob 0).
 
     t = Transcript.from_messages(tokenizer, prompt, tools=tools)
     for _ in range(max_turns):
-        completion = (await client.generate(t.prompt_ids, n=1, **sampling.request_kwargs()))[0]
+        try:
+            completion = (await client.generate(t.prompt_ids, n=1, **sampling.request_kwargs()))[0]
+        except ContextLengthError:  # the transcript fills the server's context (after a first turn)
+            break
         t.add_completion(completion)
         text = completion_text(tokenizer, completion)  # decoded from ids, for the env
         ...
@@ -106,6 +109,7 @@ class Transcript:
         self.loss_mask: list[bool] = [False] * len(self.input_ids)
         self.logprobs: list[float] = [0.0] * len(self.input_ids)
         self.completions: list[Completion] = []
+        self._model_end = 0  # where the last model turn ends in input_ids
         self._awaiting_model = True  # the ids end with a generation prompt (or a model turn to continue)
 
     @classmethod
@@ -135,6 +139,7 @@ class Transcript:
         self.input_ids += completion.completion_ids
         self.loss_mask += [True] * len(completion.completion_ids)
         self.logprobs += [float(x) for x in completion.logprobs]
+        self._model_end = len(self.input_ids)
         self.completions.append(completion)
         self._awaiting_model = False
 
@@ -153,14 +158,17 @@ class Transcript:
         self._awaiting_model = True
 
     def to_sample(self, *, reward: float | None = None, metadata: dict | None = None) -> Sample:
-        """The whole transcript as one Sample. `finish_reason` is the last model turn's;
-        `truncated` is True if any model turn hit max_tokens."""
+        """The transcript up to its last model turn as one Sample: context added after it (a tool
+        result no turn answered, when the episode ended on a full context) trains nothing and is
+        left out. `finish_reason` is the last model turn's; `truncated` is True if any model turn
+        hit max_tokens."""
         if not self.completions:
             raise ValueError("Transcript.to_sample: no model turn was added (nothing to train)")
         reasons = [c.finish_reason for c in self.completions]
         meta = {"turns": len(self.completions), "finish_reasons": reasons, **(metadata or {})}
+        end = self._model_end
         return Sample(
-            input_ids=list(self.input_ids), loss_mask=list(self.loss_mask), logprobs=list(self.logprobs),
+            input_ids=self.input_ids[:end], loss_mask=self.loss_mask[:end], logprobs=self.logprobs[:end],
             reward=None if reward is None else float(reward), source="policy",
             truncated="length" in reasons, finish_reason=reasons[-1], metadata=meta,
         )

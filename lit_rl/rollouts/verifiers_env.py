@@ -32,6 +32,7 @@ from typing import Any
 
 from lit_rl.data.samples import SampleGroup
 from lit_rl.rewards.extras import require
+from lit_rl.inference.client import ContextLengthError
 from lit_rl.rollouts.context import RolloutContext
 from lit_rl.rollouts.envs import Environment, EvalRun, eval_metrics
 from lit_rl.rollouts.reward_functions import RewardFunctionError
@@ -287,7 +288,13 @@ class _Exchange:
         else:
             self.transcript.add_messages(new)
         prompt_ids = self.transcript.prompt_ids
-        completion = (await self.play.client.generate(prompt_ids, n=1, **self.play.sampling))[0]
+        try:
+            completion = (await self.play.client.generate(prompt_ids, n=1, **self.play.sampling))[0]
+        except ContextLengthError:
+            if not self.transcript.completions:
+                raise
+            self.trace.stop("prompt_too_long")  # the transcript fills the server's context: the episode ends
+            return Segment(messages=[], terminated=True)
         self.transcript.add_completion(completion)
         text = completion_text(self.play.tokenizer, completion)
         reply = AssistantMessage(content=text)
