@@ -167,7 +167,7 @@ def test_a_prompt_that_fills_the_context_is_refused_before_it_is_sent(vllm_serve
 
     for kw in ({}, {"model": str(vllm_server.model_dir)}):
         limit, fits, refused = run(go(**kw))
-        assert limit == 1024
+        assert limit == 1024 and issubclass(ContextLengthError, InferenceRequestError)  # a request error, as before
         assert (len(fits.completion_ids), fits.finish_reason) == (4, "length")  # vLLM capped it at the context
         assert refused == ["generate: the prompt has 1024 tokens and the server's context (max_model_len) is 1024: "
                            "no room for a completion",
