@@ -24,7 +24,7 @@ def test_messages_jsonl_yields_whole_steps(tmp_path):
     dm = dm_for(write_jsonl(tmp_path / "t.jsonl", reverse_rows(12)), shuffle=False)
     batch = first_batch(dm)
     assert batch["stats"]["rows"] == 4
-    assert batch["position"] == (0, 0)
+    assert batch["position"] == (0, 4)  # data epoch 0, its first 4 rows trained once this step is
     assert sum(int(mb["loss_mask"].sum()) for mb in batch["micro_batches"]) > 0
 
 
@@ -91,7 +91,7 @@ def test_rows_are_rendered_lazily(tmp_path, monkeypatch):
 def test_sampler_resume_and_ranks():
     full = [rows for _, _, rows in StepBatchSampler(20, 4, seed=3)]
     resumed = StepBatchSampler(20, 4, seed=3)
-    resumed.resume_at(0, 2)
+    resumed.resume_at(0, 8)  # two steps of 4 rows trained
     assert [rows for _, _, rows in resumed] == full[2:]
     ranks = [list(StepBatchSampler(20, 4, seed=3, rank=r, world_size=2)) for r in (0, 1)]
     for (_, _, a), (_, _, b), whole in zip(ranks[0], ranks[1], full):
@@ -100,8 +100,39 @@ def test_sampler_resume_and_ranks():
     first, second = list(sampler), list(sampler)  # each iteration is the next data epoch, reshuffled
     assert [e for e, _, _ in first + second] == [0] * 5 + [1] * 5
     assert [r for _, _, r in second] != full and sorted(sum((r for _, _, r in second), [])) == list(range(20))
-    resumed.resume_at(0, 5)  # a checkpoint taken at the end of an epoch resumes with the next one
+    resumed.resume_at(0, 20)  # a checkpoint taken at the end of an epoch resumes with the next one
     assert [e for e, _, _ in resumed][0] == 1
+
+
+def test_a_resume_with_another_batch_size_neither_repeats_nor_skips_a_row(tmp_path):
+    """The data position counts rows: 3 steps of 4 rows, then steps of 6 from row 12 of the same
+    order (the epoch's 2 rows left over, as in every pass). A checkpoint from before positions
+    counted rows (`step_in_epoch`) resumes in steps of this run's batch size, as it did."""
+    order = row_order(40, 0, shuffle=True, seed=5)
+    first = [r for _, _, r in StepBatchSampler(40, 4, seed=5)][:3]
+    resumed = StepBatchSampler(40, 6, seed=5)
+    resumed.resume_at(0, 12)
+    second = [r for _, _, r in resumed]
+    assert sum(first, []) + sum(second, []) == order[:12 + 6 * 4]
+    path = write_jsonl(tmp_path / "t.jsonl", reverse_rows(40))
+    dm = dm_for(path, batch_size=6, seed=5)
+    dm.load_state_dict({"epoch": 0, "rows_in_epoch": 12, "seed": 5, "num_rows": 40, "shuffle": True})
+    dm.setup("fit")
+    steps = list(dm.train_dataloader().sampler)
+    assert [(epoch, rows) for epoch, rows, _ in steps] == [(0, 18), (0, 24), (0, 30), (0, 36)]
+    assert sum((r for _, _, r in steps), []) == order[12:36]
+    old = dm_for(path, batch_size=6, seed=5)
+    old.load_state_dict({"epoch": 0, "step_in_epoch": 2, "seed": 5})  # 2 steps of this run's 6 rows
+    old.setup("fit")
+    assert [rows for _, rows, _ in old.train_dataloader().sampler] == [18, 24, 30, 36]
+    # another split, or another order, cannot be resumed: the rows trained would not be found again
+    for state, said in (({"num_rows": 30}, "the checkpoint's run trained on 30 rows, this one has 40"),
+                        ({"shuffle": False}, "the checkpoint's run had data.shuffle False, this one True")):
+        dm = dm_for(path, batch_size=6, seed=5)
+        dm.load_state_dict({"epoch": 0, "rows_in_epoch": 12, "seed": 5, "num_rows": 40, "shuffle": True, **state})
+        dm.setup("fit")
+        with pytest.raises(ValueError, match=f"cannot resume the data where the checkpoint left it: {said}"):
+            dm.train_dataloader()
 
 
 def test_the_row_order_follows_the_run_seed_and_a_resume_keeps_its_own(tmp_path, monkeypatch):
@@ -118,8 +149,8 @@ def test_the_row_order_follows_the_run_seed_and_a_resume_keeps_its_own(tmp_path,
     assert seven == row_order(12, 0, shuffle=True, seed=7) != row_order(12, 0, shuffle=True, seed=8)
     monkeypatch.setenv("PL_GLOBAL_SEED", "8")  # a resume launched with another seed
     resumed = dm_for(path)
-    assert order(resumed, {"epoch": 0, "step_in_epoch": 1, "seed": 7}) == seven
-    assert resumed.state_dict() == {"epoch": 0, "step_in_epoch": 1, "seed": 7}
+    assert order(resumed, {"epoch": 0, "rows_in_epoch": 4, "seed": 7}) == seven
+    assert resumed.state_dict() == {"epoch": 0, "rows_in_epoch": 4, "seed": 7, "num_rows": 12, "shuffle": True}
     # a checkpoint from before the seed was saved drew with the old default, 0
     assert order(dm_for(path), {"epoch": 0, "step_in_epoch": 1}) == row_order(12, 0, shuffle=True, seed=0)
     assert order(dm_for(path, seed=3)) == row_order(12, 0, shuffle=True, seed=3)  # an explicit seed wins

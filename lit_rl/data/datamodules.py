@@ -18,6 +18,7 @@ from lit_rl.data.sampler import StepBatchSampler
 from lit_rl.data.sources import single_split_kind
 from lit_rl.data.steps import RowRenderer, StepDataset, open_row_renderer
 from lit_rl.data.workers import resolve_num_workers
+from lit_rl.errors import ConfigError
 from lit_rl.run_seed import order_seed, saved_order_seed
 
 PACKING_MODES = ("padded", "packed")
@@ -115,9 +116,10 @@ class StaticDataModule(L.LightningDataModule):
         self._train: StepDataset | None = None
         self._val: StepDataset | None = None
         self._sampler: StepBatchSampler | None = None
-        self._trained: tuple[int, int] | None = None  # (epoch, step) of the last batch trained on
+        self._trained: tuple[int, int] | None = None  # (epoch, rows of it trained) after the last batch trained
         self._pending: tuple[tuple[int, int], int] | None = None  # (position, global_step when handed over)
-        self._resume: tuple[int, int] | None = None
+        self._resume: tuple[int, int] | None = None  # (data epoch, rows of it trained) from a checkpoint
+        self._saved_split: dict = {}  # the checkpoint's split: its rows and order, to resume in the same
         self._saved_seed: int | None = None  # the shuffle seed of the run a checkpoint resumes
 
     # ---- set-up and validation ---------------------------------------------------------------
@@ -211,8 +213,24 @@ class StaticDataModule(L.LightningDataModule):
             seed=self.shuffle_seed(announce=True), rank=rank, world_size=world,
         )
         if self._resume is not None:
+            self._check_resumed_rows()
             self._sampler.resume_at(*self._resume)
         return self._loader(self._train, self._sampler)
+
+    def _check_resumed_rows(self) -> None:
+        """A resume goes on from a row of the checkpoint's split in its order, so it needs the same
+        split in the same order (the batch size may change: the position counts rows)."""
+        rows, saved = len(self._train.renderer.rows), self._saved_split
+        problems = []
+        if saved.get("num_rows") not in (None, rows):
+            problems.append(f"the checkpoint's run trained on {saved['num_rows']} rows, this one has {rows} "
+                            "(data.path, data.max_examples)")
+        if saved.get("shuffle") not in (None, self.shuffle):
+            problems.append(f"the checkpoint's run had data.shuffle {saved['shuffle']}, this one {self.shuffle}")
+        if problems:
+            raise ConfigError(f"cannot resume the data where the checkpoint left it: {'; '.join(problems)}. The rows "
+                              "it trained would not be found again: resume with the same data, or train a fresh run "
+                              "in another trainer.default_root_dir")
 
     def val_dataloader(self):
         if self._val is None:
@@ -242,15 +260,20 @@ class StaticDataModule(L.LightningDataModule):
 
     def state_dict(self) -> dict:
         self._settle_pending()
-        if self._trained is None:
-            position = {"epoch": self._resume[0], "step_in_epoch": self._resume[1]} if self._resume else {}
-        else:
-            position = {"epoch": self._trained[0], "step_in_epoch": self._trained[1] + 1}
-        return {**position, "seed": self.shuffle_seed()} if position else {}
+        position = self._trained if self._trained is not None else self._resume
+        if position is None:
+            return {}
+        split = {"num_rows": len(self._train.renderer.rows), "shuffle": self.shuffle} if self._train is not None else {}
+        return {"epoch": position[0], "rows_in_epoch": position[1], "seed": self.shuffle_seed(), **split}
 
     def load_state_dict(self, state: dict) -> None:
         if state:
-            self._resume = (int(state["epoch"]), int(state["step_in_epoch"]))
+            if "rows_in_epoch" in state:
+                rows_done = int(state["rows_in_epoch"])
+            else:  # a checkpoint from before positions counted rows: steps of this run's batch size
+                rows_done = int(state["step_in_epoch"]) * self.batch_size
+            self._resume = (int(state["epoch"]), rows_done)
+            self._saved_split = {k: state[k] for k in ("num_rows", "shuffle") if k in state}
             self._saved_seed = saved_order_seed(state, self.seed)
             # Lightning cannot see that this datamodule resumes mid-epoch by itself.
             warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")

@@ -126,7 +126,7 @@ class StepDataset(torch.utils.data.Dataset):
         self.pack_length, self.bad_rows = pack_length, bad_rows
 
     def __getitem__(self, item: tuple[int, int, list[int]]) -> dict:
-        epoch, step, indices = item
+        epoch, rows_done, indices = item
         samples, skipped = [], 0
         for index in indices:
             try:
@@ -138,4 +138,4 @@ class StepDataset(torch.utils.data.Dataset):
                 log.warning("skipping %s", e)
         built = build_step(samples, micro_batch_tokens=self.micro_batch_tokens, packing=self.packing, pack_length=self.pack_length)
         stats = {**built["stats"], "skipped_rows": float(skipped)}
-        return {"micro_batches": built["micro_batches"], "stats": stats, "position": (epoch, step)}
+        return {"micro_batches": built["micro_batches"], "stats": stats, "position": (epoch, rows_done)}
