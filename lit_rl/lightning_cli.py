@@ -40,9 +40,10 @@ class LitRLCLI(LightningCLI):
       model (plain SFT) leave it idle.
     - A config value that a class rejects (a ValueError from its `__init__`, a Lightning
       MisconfigurationException) is a UserError: one message, no traceback.
-    - A run that fails before it logs anything (a data file the datamodule refuses, say) leaves
-      no empty `logs/version_N` behind: Lightning creates the logger's directory before the
-      datamodule's setup, and each such attempt would push the next run's logs one version on.
+    - A run that fails before its first step (a data file the datamodule refuses, a `--ckpt_path`
+      that does not exist) leaves no `logs/version_N` behind: Lightning creates the logger's
+      directory before the datamodule's setup (and the config is saved there), and each such
+      attempt would push the next run's logs one version on.
     """
 
     def __init__(self, *args, **kwargs):
@@ -107,22 +108,26 @@ class LitRLCLI(LightningCLI):
 
 
 def remove_empty_log_dir(trainer) -> None:
-    """Remove the logger's version directory of a run that failed before writing a file into it,
-    and the `logs` directory above it if that is then empty. A directory with any file in it (a
-    run that logged, a user's notes) is left as it is."""
+    """Remove the logger's version directory of a run that failed before its first step, when it
+    holds nothing but the config this launch saved there (a `--ckpt_path` that does not exist
+    fails after that), and the `logs` directory above it if that is then empty. A directory with
+    anything else in it (metrics, a user's notes) is left as it is."""
     import contextlib
+    import shutil
     from pathlib import Path
 
-    log_dir = getattr(trainer.logger, "log_dir", None) if trainer is not None and trainer.global_rank == 0 else None
-    if not isinstance(log_dir, str):
+    if trainer is None or trainer.global_rank != 0 or trainer.global_step != 0:
         return
-    try:
-        Path(log_dir).rmdir()  # only an empty directory
-    except OSError:
+    log_dir = getattr(trainer.logger, "log_dir", None)
+    if not isinstance(log_dir, str) or not Path(log_dir).is_dir():
         return
-    if Path(log_dir).parent.name == "logs":
+    log_dir = Path(log_dir)
+    if {p.name for p in log_dir.iterdir()} - {"config.yaml"} or any(p.is_dir() for p in log_dir.iterdir()):
+        return
+    shutil.rmtree(log_dir)
+    if log_dir.parent.name == "logs":
         with contextlib.suppress(OSError):
-            Path(log_dir).parent.rmdir()
+            log_dir.parent.rmdir()  # only an empty directory
 
 
 CPU_PROCESSES = 2

@@ -84,10 +84,41 @@ def test_missing_checkpoint_is_refused_before_anything_changes(runs, lit_rl_main
     _, data, _, split = runs
     before = snapshot(split)
     missing = str(split / "checkpoints" / "nope.ckpt")
+    versions = sorted(p.name for p in (split / "logs").iterdir())
     code, _, stderr = lit_rl_main(fit(split, data, 8, "--ckpt_path", missing))
     assert code == 1 and "Traceback" not in stderr, stderr[-3000:]
     assert f"Checkpoint file not found: {missing}" in stderr and "fix: --ckpt_path last" in stderr
     assert snapshot(split) == before
+    assert sorted(p.name for p in (split / "logs").iterdir()) == versions  # no logs/version_N of the failed launch
+
+
+def test_a_fresh_run_in_an_earlier_runs_directory_replaces_its_checkpoint_and_curves(runs, tmp_path, lit_rl_main):
+    """A fresh fit where a run was (resumed once): it overwrites last.ckpt at its first save (no
+    last-v1.ckpt beside the old run's, which `--ckpt_path last` might pick), and `lit-rl report`
+    shows its curves alone; a `lit-rl validate` there after it keeps them."""
+    import shutil
+
+    from lit_rl.commands.report import collect
+
+    _, data, _, split = runs
+    again = tmp_path / "again"
+    shutil.copytree(split, again)
+    assert sorted(collect(again)["train/loss"]) == list(range(6))
+    code, _, stderr = lit_rl_main(fit(again, data, 2))
+    assert code == 0, stderr[-3000:]
+    assert sorted(p.name for p in (again / "checkpoints").iterdir()) == ["last.ckpt"]
+    assert torch.load(again / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 2
+    assert sorted(collect(again)["train/loss"]) == [0, 1] and collect(again)["train/loss"] == losses_of_last(again)
+    code, _, stderr = lit_rl_main(["validate", "--config", CONFIG, "--data.init_args.path", data, "--data.init_args.val_path",
+                                   data, "--data.init_args.num_workers", "0", "--trainer.default_root_dir", str(again)])
+    assert code == 0, stderr[-3000:]
+    assert sorted(collect(again)["train/loss"]) == [0, 1] and "val/loss" in collect(again)
+
+
+def losses_of_last(root: Path) -> dict[int, float]:
+    """train/loss of the newest launch's metrics.csv alone."""
+    newest = max(root.glob("logs/version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[-1]))
+    return {int(r["step"]): float(r["train/loss"]) for r in __import__("csv").DictReader(open(newest)) if r.get("train/loss")}
 
 
 def test_checkpoint_of_another_model_is_refused(runs, tmp_path, lit_rl_main):

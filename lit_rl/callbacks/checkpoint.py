@@ -55,9 +55,12 @@ class RunCheckpoint(ModelCheckpoint):
             every_n_train_steps: refresh ``last.ckpt`` every N optimizer steps (None: only at
                 the end and on SIGTERM / Ctrl-C).
             **kwargs: other ``ModelCheckpoint`` arguments (``save_top_k`` defaults to 0 here:
-                only ``last.ckpt`` is kept).
+                only ``last.ckpt`` is kept; ``enable_version_counter`` to False: a fresh run in
+                the directory of an earlier one overwrites its ``last.ckpt``, as it replaces
+                its exported steps, instead of writing ``last-v1.ckpt`` beside it).
         """
         kwargs.setdefault("save_top_k", 0)
+        kwargs.setdefault("enable_version_counter", False)
         super().__init__(dirpath=dirpath, save_last=True, every_n_train_steps=every_n_train_steps, **kwargs)
         self._previous_sigint = None
 

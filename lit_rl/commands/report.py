@@ -5,7 +5,9 @@
     lit-rl report runs/bench/opd runs/bench/grpo   # overlays the runs: runs/bench/report.png
 
 For users without W&B: it reads every `logs/version_*/metrics.csv` (the trainer) and
-`eval_metrics.csv` (the evaluator) of the run, resumed launches included.
+`eval_metrics.csv` (the evaluator) of the run, resumed launches included. A fresh `fit` in the
+same directory (no `ckpt_path`) starts the curves again: the launches before it trained weights
+that run replaced.
 """
 
 from __future__ import annotations
@@ -21,20 +23,37 @@ DEFAULT_METRICS = ("train/loss", "train/tokens_per_s", "val/loss")
 
 
 def collect(run_dir: Path) -> dict[str, dict[int, float]]:
-    """metric -> {step: value}; a later launch (a resume) overrides the same step."""
+    """metric -> {step: value}; a later launch (a resume) overrides the same step, and a later
+    fresh training run replaces what came before it."""
     series: dict[str, dict[int, float]] = defaultdict(dict)
     for log_dir in sorted(run_dir.glob("logs/version_*"), key=lambda p: int(p.name.split("_")[-1])):
-        metrics = log_dir / "metrics.csv"
-        if metrics.is_file():
-            for row in csv.DictReader(open(metrics)):
-                for name, value in row.items():
-                    if name not in ("step", "epoch") and value not in ("", None):
-                        series[name][int(row["step"])] = float(value)
+        rows = list(csv.DictReader(open(log_dir / "metrics.csv"))) if (log_dir / "metrics.csv").is_file() else []
+        if fresh_training(log_dir, rows):
+            series.clear()
+        for row in rows:
+            for name, value in row.items():
+                if name not in ("step", "epoch") and value not in ("", None):
+                    series[name][int(row["step"])] = float(value)
         for row in read_eval_metrics(log_dir):
             series[row["name"]][row["step"]] = row["value"]
     for row in read_eval_metrics(run_dir / "evals"):  # standalone `lit-rl evaluate` runs
         series[row["name"]][row["step"]] = row["value"]
     return series
+
+
+def fresh_training(log_dir: Path, rows: list[dict]) -> bool:
+    """Whether the launch logged here trained from the start: its saved config has no
+    `ckpt_path` and it logged training metrics (a `lit-rl validate` logs none)."""
+    import yaml
+
+    config = log_dir / "config.yaml"
+    if not config.is_file() or not any(k.startswith("train/") and v not in ("", None) for r in rows for k, v in r.items()):
+        return False
+    try:
+        saved = yaml.safe_load(config.read_text()) or {}
+    except yaml.YAMLError:
+        return False
+    return isinstance(saved, dict) and "ckpt_path" in saved and saved["ckpt_path"] is None
 
 
 def plot(runs: dict[str, dict[str, dict[int, float]]], names: list[str], out: Path, title: str) -> dict[str, list[str]]:
