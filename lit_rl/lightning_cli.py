@@ -94,9 +94,26 @@ class LitRLCLI(LightningCLI):
     def _run_subcommand(self, subcommand: str) -> None:
         try:
             super()._run_subcommand(subcommand)
-        except BaseException:
+        except BaseException as e:
             remove_empty_log_dir(self.trainer)
+            self._refuse_unreadable_checkpoint(e)  # `--ckpt_path last`: read when the trainer restores
             raise
+
+    def _parse_ckpt_path(self) -> None:
+        try:
+            super()._parse_ckpt_path()  # a given path: read at start-up for the model's saved arguments
+        except RuntimeError as e:
+            self._refuse_unreadable_checkpoint(e)
+            raise
+
+    def _refuse_unreadable_checkpoint(self, e: BaseException) -> None:
+        """torch's error on a checkpoint file cut short (a full disk, a copy that stopped) is a
+        traceback from inside Lightning; say which checkpoint, and what to do."""
+        if isinstance(e, RuntimeError) and "PytorchStreamReader failed" in str(e):
+            subcommand = self.config.get("subcommand")
+            given = (self.config.get(subcommand) or {}).get("ckpt_path") if subcommand else None
+            raise UserError(f"cannot read the checkpoint (--ckpt_path {given}): it is truncated or corrupt "
+                            f"({str(e).split('. ')[0]}); fix: resume from another checkpoint, or start a fresh run") from e
 
     def _instantiate_trainer(self, config, callbacks):
         given = [*(config.get("callbacks") or []), *callbacks]

@@ -121,6 +121,28 @@ def losses_of_last(root: Path) -> dict[int, float]:
     return {int(r["step"]): float(r["train/loss"]) for r in __import__("csv").DictReader(open(newest)) if r.get("train/loss")}
 
 
+def test_a_truncated_checkpoint_is_one_message(runs, tmp_path, lit_rl_main):
+    """A checkpoint cut short (a full disk, a copy that stopped): one message naming it, not
+    torch's traceback from inside Lightning's parsing of the path."""
+    _, data, _, split = runs
+    cut = tmp_path / "cut.ckpt"
+    cut.write_bytes((split / "checkpoints" / "last.ckpt").read_bytes()[:100_000])
+    before = snapshot(split)
+    code, _, stderr = lit_rl_main(fit(split, data, 8, "--ckpt_path", str(cut)))
+    assert code == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert f"cannot read the checkpoint (--ckpt_path {cut}): it is truncated or corrupt" in stderr, stderr[-3000:]
+    assert snapshot(split) == before
+    # `--ckpt_path last` is read later, when the trainer restores it
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(split, copy)
+    (copy / "checkpoints" / "last.ckpt").write_bytes(cut.read_bytes())
+    code, _, stderr = lit_rl_main(fit(copy, data, 8, "--ckpt_path", "last"))
+    assert code == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert "cannot read the checkpoint (--ckpt_path last): it is truncated or corrupt" in stderr, stderr[-3000:]
+
+
 def test_checkpoint_of_another_model_is_refused(runs, tmp_path, lit_rl_main):
     _, data, _, split = runs
     other = tmp_path / "other_model"
