@@ -69,16 +69,16 @@ def test_concurrent_calls_share_one_request_and_each_gets_its_own_answer(vllm_se
 
 
 def test_a_rejected_prompt_fails_only_its_own_call(vllm_server):
-    too_long = list(range(200)) * 6  # 1200 ids > the server's max_model_len (1024)
+    unknown = PROMPTS[2] + [10**6]  # a token id outside the vocabulary: vLLM answers 400
 
     async def go():
         async with vllm_server.client() as client:
             answers = await asyncio.gather(*[client.generate(p, max_tokens=4, ignore_eos=True)
-                                             for p in (PROMPTS[0], too_long, PROMPTS[1])], return_exceptions=True)
+                                             for p in (PROMPTS[0], unknown, PROMPTS[1])], return_exceptions=True)
             return answers, client._batchers["generate"].requests
 
     (first, rejected, last), requests = asyncio.run(go())
-    assert isinstance(rejected, InferenceRequestError) and "maximum context length" in str(rejected)
+    assert isinstance(rejected, InferenceRequestError) and "out of vocabulary" in str(rejected)
     assert first[0].prompt_ids == PROMPTS[0] and len(first[0].completion_ids) == 4
     assert last[0].prompt_ids == PROMPTS[1] and len(last[0].completion_ids) == 4
     assert requests == 1 + 3  # the joined request, then each prompt alone
