@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from lit_rl.callbacks import HFExport
 from lit_rl.data.datamodules import StaticDataModule
 from lit_rl.errors import ConfigError
+from lit_rl.inference.client import ContextLengthError
 from lit_rl.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoRAOptions, adapter_disabled
 from lit_rl.modules.sft import SFT
 from lit_rl.run_dir import STABLE, base_dir, step_dir
@@ -116,7 +117,10 @@ def test_grpo_with_lora_serves_the_trained_adapter_and_its_online_evals_score_ea
     config = yaml.safe_load(open(CONFIG))
     config["trainer"]["callbacks"].append({"class_path": "lit_rl.callbacks.OnlineEval", "init_args": {
         "server": {"dtype": "float32", "max_model_len": 256, "enforce_eager": True}, "final_timeout": 300,
-        "envs": [{"class_path": "online_eval_helpers.ScoreFixedIds"}]}})
+        "envs": [{"class_path": "online_eval_helpers.ScoreFixedIds"},
+                 {"class_path": "lit_rl.rollouts.ReverseTextEnv",  # the built-in eval: chat, the base's tokenizer
+                  "init_args": {"path": write_jsonl(tmp_path / "held_out.jsonl", reverse_rows(2, offset=50)),
+                                "max_tokens": 8}}]}})
     (tmp_path / "grpo_lora.yaml").write_text(yaml.safe_dump(config))
     args = grpo_args(root, data, tiny_model_path, 3, "--model.init_args.random_init", "true",
                      "--model.init_args.lora.rank", "8", "--model.init_args.lora.alpha", "16",
@@ -149,6 +153,8 @@ def test_grpo_with_lora_serves_the_trained_adapter_and_its_online_evals_score_ea
         lp = torch.log_softmax(logits(model, ids)[0].double(), -1)
         assert value == pytest.approx(sum(lp[i - 1, ids[i]].item() for i in range(1, len(ids))), abs=1e-3), step
     assert abs(served[0] - served[3]) > 1e-2  # a stale adapter (or the base) at step 3 would show
+    rewards = {r["step"] for r in read_eval_metrics(log_dir) if r["name"] == "eval/reverse_text/reward"}
+    assert rewards == {0, 3}, (root / "evals" / "done.jsonl").read_text() if (root / "evals" / "done.jsonl").exists() else ""
     left = subprocess.run(["pgrep", "-f", str(root)], capture_output=True, text=True).stdout.split()
     assert not left, f"processes left behind: {left}"
 
@@ -244,6 +250,10 @@ def test_opd_with_lora_on_an_existing_server_trains_the_served_adapter_and_a_ran
 
     async def served_logprob_sums():  # of fixed ids, by the adapter the run loaded last and by the base
         async with server.client(model="lit-rl-policy") as adapted, server.client(model=str(student)) as base:
+            # an adapter's card has no context length: the client takes its base's (a full transcript is refused)
+            assert await adapted.max_model_len() == 256
+            with pytest.raises(ContextLengthError):
+                await adapted.generate([100] * 256, max_tokens=1)
             return sum(await adapted.score(IDS)), sum(await base.score(IDS))
 
     with server:

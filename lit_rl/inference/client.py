@@ -459,8 +459,12 @@ class InferenceClient:
         models = await self._call("list models", self.openai.models.list())
         if not models.data:
             raise InferenceServerError(f"{self.base_url}/models lists no model")
-        served = next((m for m in models.data if m.id == self.model), models.data[0])
-        extra = served.model_extra or {}
+        cards = {m.id: m for m in models.data}
+        served = cards.get(self.model, models.data[0])
+        # a LoRA adapter's card names its base (`parent`), whose card has the context length and
+        # the directory with the tokenizer (vLLM gives an adapter's card neither)
+        base = cards.get((served.model_extra or {}).get("parent"), served)
+        extra = {**(served.model_extra or {}), **{k: v for k, v in (base.model_extra or {}).items() if v is not None}}
         self._served_root = extra.get("root")
         length = extra.get("max_model_len")
         self._context_length = length if isinstance(length, int) and length > 0 else None
@@ -469,7 +473,11 @@ class InferenceClient:
     async def tokenizer(self):
         if self._tokenizer is None or isinstance(self._tokenizer, (str, Path)):
             if self._tokenizer is None:
-                await self._model_name()
+                try:
+                    await self._look_up_model()  # also when the model was named: its card says where it is
+                except InferenceRequestError:
+                    if self.model is None:
+                        raise
                 root = self._served_root or self.model
                 if not Path(root).is_dir():
                     raise ValueError(f"chat needs a tokenizer: the served model {root!r} is not a local directory; pass tokenizer=")
