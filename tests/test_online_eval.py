@@ -112,6 +112,33 @@ def test_done_log_survives_restart_and_forgets_the_future(tmp_path):
     assert again.handled(100, "a") and again.handled(200, "a")
     again.forget_after(100)  # a resume from step 100
     assert not DoneLog(tmp_path).handled(200, "a") and DoneLog(tmp_path).handled(100, "a")
+    assert DoneLog(tmp_path).records[(100, "a")]["error"] == "x"  # the failure's error stays for the end-of-run warning
+    # an evaluator killed while writing a line: that eval is due again, nothing else is lost, and nothing raises
+    with open(again.path, "a") as f:
+        f.write('{"step": 300, "env": "a", "sta')
+    torn = DoneLog(tmp_path)
+    assert torn.entries == {(0, "a"): "ok", (100, "a"): "failed"}
+    torn.record(300, "a", "ok")
+    assert DoneLog(tmp_path).entries == {(0, "a"): "ok", (100, "a"): "failed", (300, "a"): "ok"}
+
+
+def test_the_evaluator_of_a_run_waits_for_its_first_checkpoint_as_long_as_the_trainer_lives(tmp_path):
+    """Without eval_base the first checkpoint comes at the first eval interval, maybe hours in:
+    OnlineEval's evaluator (--parent-pid) must not give up after --start-timeout, an exit that
+    would be counted as a crash and restarted; standing alone, it still does."""
+    import threading
+
+    from lit_rl.commands.evaluate import first_checkpoint
+    from vllm_fixtures import write_tiny_checkpoint
+
+    def later():
+        time.sleep(1.5)
+        write_tiny_checkpoint(tmp_path / "weights" / "step_100", seed=0)
+
+    threading.Thread(target=later, daemon=True).start()
+    assert first_checkpoint(tmp_path, 0.2, os.getpid()) == tmp_path / "weights" / "step_100"
+    with pytest.raises(SystemExit, match="no STABLE checkpoint appeared under .* in 0 s"):
+        first_checkpoint(tmp_path / "elsewhere", 0.2, None)
 
 
 def test_evaluate_on_a_finished_run_exits_1_naming_what_failed_and_a_rerun_tries_it_again(tmp_path, vllm_server,

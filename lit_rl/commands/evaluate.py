@@ -66,7 +66,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--follow", action="store_true", help="keep watching until the trainer's final step is evaluated")
     p.add_argument("--parent-pid", type=int, default=None, help="stop when this process is gone")
     p.add_argument("--start-timeout", type=float, default=3600.0,
-                   help="with --follow: seconds to wait for the first checkpoint (without it, none waits)")
+                   help="with --follow: seconds to wait for the first checkpoint (without it, none waits; with "
+                        "--parent-pid, as long as that process lives)")
     p.add_argument("--max-server-restarts", type=int, default=3,
                    help="restarts of the server it started, when that dies or hangs (the step is evaluated again)")
     return p.parse_args(argv)
@@ -108,8 +109,11 @@ def first_checkpoint(root: Path, timeout: float | None, parent_pid: int | None) 
     """The evaluator's server starts on a real checkpoint of this run (step 0 when it exists).
 
     `timeout` None: the run is finished (no --follow), so an empty weights/ is an error now, not
-    an hour's silent wait for checkpoints nobody is writing."""
-    deadline = time.time() + (timeout or 0.0)
+    an hour's silent wait for checkpoints nobody is writing. With `parent_pid` (OnlineEval's
+    evaluator) the wait lasts while the trainer lives: without `eval_base` its first checkpoint
+    comes at the first eval interval, which may be hours away, and an exit there would be counted
+    as a crash and restarted, using up the run's server restarts."""
+    deadline = time.time() + (timeout or 0.0) if parent_pid is None else float("inf")
     while True:
         steps = stable_steps(root)
         if steps:

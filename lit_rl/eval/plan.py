@@ -78,30 +78,45 @@ def clear_final_step(root: str | Path) -> None:
 
 class DoneLog:
     """Which (step, env) the evaluator has handled; survives restarts, so a resumed run does
-    not repeat evals already done."""
+    not repeat evals already done. A line that does not read back (the evaluator killed while
+    writing it, a full disk) is left out: that eval is due again, and nothing else is lost."""
 
     def __init__(self, root: str | Path):
         self.path = evals_dir(root) / "done.jsonl"
-        self.entries: dict[tuple[int, str], str] = {}
+        self.records: dict[tuple[int, str], dict] = {}  # each (step, env)'s last line, its error included
         if self.path.is_file():
             for line in self.path.read_text().splitlines():
-                if line.strip():
+                try:
                     e = json.loads(line)
-                    self.entries[(int(e["step"]), e["env"])] = e["status"]
+                    key, status = (int(e["step"]), str(e["env"])), e["status"]
+                except (ValueError, KeyError, TypeError):
+                    continue
+                if isinstance(status, str):
+                    self.records[key] = e
+
+    @property
+    def entries(self) -> dict[tuple[int, str], str]:
+        return {k: e["status"] for k, e in self.records.items()}
 
     def record(self, step: int, env: str, status: str, **extra) -> None:
-        self.entries[(step, env)] = status
+        entry = {"step": step, "env": env, "status": status, **extra}
+        self.records[(step, env)] = entry
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, "env": env, "status": status, **extra}) + "\n")
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            torn = size > 0 and os.pread(fd, 1, size - 1) != b"\n"  # a line cut short: this one starts afresh
+            os.write(fd, (("\n" if torn else "") + json.dumps(entry) + "\n").encode())  # one write, one line
+        finally:
+            os.close(fd)
 
     def handled(self, step: int, env: str) -> bool:
-        return (step, env) in self.entries
+        return (step, env) in self.records
 
     def forget_after(self, step: int) -> None:
         """On resume from `step`, evals of later steps belong to a discarded future."""
-        kept = {k: v for k, v in self.entries.items() if k[0] <= step}
-        if kept != self.entries:
-            self.entries = kept
+        kept = {k: e for k, e in self.records.items() if k[0] <= step}
+        if kept != self.records:
+            self.records = kept
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            _write_atomic(self.path, "".join(json.dumps({"step": s, "env": e, "status": st}) + "\n" for (s, e), st in kept.items()))
+            _write_atomic(self.path, "".join(json.dumps(e) + "\n" for e in kept.values()))
