@@ -39,3 +39,33 @@ def test_a_restart_whose_start_fails_is_tried_again_as_another_restart_until_non
                               "(inference.max_server_restarts=2, 2 used)"), message
     assert (tmp_path / "vllm.log").read_text().count("loading") == 2  # two starts, both logged
     assert server.proc is None  # the last failed start was stopped
+
+
+def test_the_weights_the_policy_server_serves_stay_on_disk_until_newer_ones_are_loaded(tmp_path):
+    """With keep_sync 1 the sync of step 2 deleted sync/step_1 while the server still served it;
+    a restart before step 2's reload loaded step_1 again, found it gone and failed the run. The
+    runtime is a consumer of the run's HFExport: retention spares what its server serves."""
+    import lightning as L
+
+    from lit_rl.callbacks.export import HFExport
+    from lit_rl.inference.runtime import InferenceRuntime
+    from lit_rl.run_dir import STABLE, sync_dir
+
+    exporter = HFExport(keep_sync=1)
+    trainer = L.Trainer(accelerator="cpu", logger=False, callbacks=[exporter], default_root_dir=tmp_path)
+    runtime = InferenceRuntime()
+    assert runtime._run_exporter(trainer) is exporter
+
+    def synced(step):
+        path = sync_dir(tmp_path) / f"step_{step}"
+        path.mkdir(parents=True)
+        (path / STABLE).touch()
+        return path
+
+    one = synced(1)
+    runtime._served = one  # the server serves step 1
+    exporter._retain_syncs(tmp_path, synced(2))  # step 2 written, not loaded yet
+    assert sorted(p.name for p in sync_dir(tmp_path).iterdir()) == ["step_1", "step_2"]
+    runtime._served = sync_dir(tmp_path) / "step_2"  # loaded: step 1 may go
+    exporter._retain_syncs(tmp_path, synced(3))
+    assert sorted(p.name for p in sync_dir(tmp_path).iterdir()) == ["step_2", "step_3"]

@@ -190,12 +190,18 @@ class HFExport(L.Callback):
         final = sync_dir(root) / f"step_{step}"
         if trainer.is_global_zero:
             self._write(final, fill, durable=False)
-            synced = sorted((p for p in sync_dir(root).iterdir() if step_of(p) is not None), key=step_of)
-            for path in synced[: max(0, len(synced) - self.keep_sync)]:
-                if path != final and not self.in_use(path):
-                    shutil.rmtree(path, ignore_errors=True)
+            self._retain_syncs(root, final)
         trainer.strategy.barrier("hf_sync_export")
         return final
+
+    def _retain_syncs(self, root: Path, written: Path) -> None:
+        """Keep the newest `keep_sync` of `sync/`, the one just written, and any still in use (a
+        lease, or a consumer's `needs`: the runtime's for what its server serves until the new one
+        is loaded, which a restart in between loads again)."""
+        synced = sorted((p for p in sync_dir(root).iterdir() if step_of(p) is not None), key=step_of)
+        for path in synced[: max(0, len(synced) - self.keep_sync)]:
+            if path != written and not self.in_use(path):
+                shutil.rmtree(path, ignore_errors=True)
 
     def _filler(self, trainer, pl_module, durable: bool):
         """Gathers what one step directory holds (collective) and returns what fills it on rank 0."""

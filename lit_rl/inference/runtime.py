@@ -359,12 +359,26 @@ class InferenceRuntime(L.Callback):
     # ---- weight sync ----------------------------------------------------------------------------
     def _export(self, trainer, pl_module, step: int) -> Path:
         """The current weights (of `step`) on disk for the policy's server. Collective."""
+        return self._run_exporter(trainer).sync_export(trainer, pl_module, step)
+
+    def _run_exporter(self, trainer):
+        """The run's HFExport (it owns every export; a default one when the config has none), whose
+        retention then spares what the policy's server serves (`needs`)."""
         from lit_rl.callbacks.export import HFExport
 
         if self._exporter is None:
             found = [c for c in trainer.callbacks if isinstance(c, HFExport)]
-            self._exporter = found[0] if found else HFExport()  # the run's exporter owns every export
-        return self._exporter.sync_export(trainer, pl_module, step)
+            self._exporter = found[0] if found else HFExport()
+            self._exporter.register(self)
+        return self._exporter
+
+    # HFExport's consumer interface: the sync writes its own weights, and what the server serves stays
+    # on disk until newer weights are loaded: a restart before then loads it again (`_serve_again`)
+    def export_due(self, step: int) -> bool:
+        return False
+
+    def needs(self, path: Path) -> bool:
+        return self._served is not None and Path(path).resolve() == self._served.resolve()
 
     def _new_restarts(self) -> ServerRestarts:
         return ServerRestarts(
