@@ -69,3 +69,45 @@ def test_the_weights_the_policy_server_serves_stay_on_disk_until_newer_ones_are_
     runtime._served = sync_dir(tmp_path) / "step_2"  # loaded: step 1 may go
     exporter._retain_syncs(tmp_path, synced(3))
     assert sorted(p.name for p in sync_dir(tmp_path).iterdir()) == ["step_2", "step_3"]
+
+
+class AnswersHealth(VLLMServer):
+    """A stand-in server process that answers /health and /v1/models: python's http.server over
+    a directory holding those files (its model)."""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "http.server", str(self.port), "--bind", "127.0.0.1", "--directory", str(self.model)]
+
+
+def test_the_watchdog_keeps_a_server_it_restarted_alive_when_serving_its_weights_again_fails(tmp_path):
+    """A server started from the watchdog's thread dies with that thread (PR_SET_PDEATHSIG). The
+    watchdog returned when a restart raised (a reload slower than sync_timeout), which killed the
+    server it had just restarted and left the run without a watch."""
+    import os
+    import signal
+    import time
+
+    (tmp_path / "health").write_text("ok")
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "models").write_text('{"data": []}')
+    server = AnswersHealth(str(tmp_path), port=free_port("127.0.0.1"), log_path=tmp_path / "server.log", startup_timeout=60)
+    failed = []
+
+    def serve_again(role):
+        failed.append(role)
+        raise TimeoutError("the reload took longer than sync_timeout")
+
+    restarts = ServerRestarts(2, 0.2, servers=lambda: {"policy": server}, after_start=serve_again, interrupted=lambda: False)
+    with server:
+        restarts.start_watchdog()
+        try:
+            os.killpg(server.proc.pid, signal.SIGKILL)  # the server dies; the watchdog restarts it
+            deadline = time.monotonic() + 60
+            while not failed and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert failed == ["policy"] and restarts.count == 1
+            time.sleep(2.0)  # a death signal would have arrived by now
+            assert server.proc.poll() is None and server.healthy()
+            assert restarts._watchdog.is_alive()
+        finally:
+            restarts.close()

@@ -178,15 +178,22 @@ class ServerRestarts:
         self._watchdog.start()
 
     def _watch(self) -> None:
+        """Servers this thread restarts die with it (PR_SET_PDEATHSIG follows the thread that
+        started them), so it lives until `close` whatever a restart raised."""
         while not self._closing.wait(self.health_check_interval):
             for role, server in list(self._servers().items()):
                 if server is None or self._closing.is_set() or server.healthy(timeout=10.0):
                     continue
                 try:
                     self.recover(role, self.generation(role))
-                except Exception as e:  # out of restarts: the next request fails with it and ends the run
+                except ServerGone as e:  # out of restarts: the next request fails with it and ends the run
                     log.warning("InferenceRuntime watchdog: %s", str(e).splitlines()[0])
+                    self._closing.wait()
                     return
+                except Exception as e:  # restarted, but serving its weights again failed (a slow reload):
+                    # the next sync or request finds out; the server stays up, and so does the watch
+                    log.warning("InferenceRuntime watchdog: after restarting the %s's server: %s", role,
+                                str(e).splitlines()[0] if str(e) else type(e).__name__)
 
     def close(self) -> None:
         """Stop the watchdog; a restart under way gives up (through `interrupted`)."""
