@@ -175,7 +175,7 @@ def test_lora_with_a_server_that_cannot_load_adapters_fails_before_training(vllm
     assert not list(root.glob("rollouts/trained.jsonl"))  # nothing trained
 
 
-def resume_lora_sft(tmp_path, ckpt, seed=0, lora=LoRAOptions(rank=8, alpha=16), steps=4):
+def resume_lora_sft(tmp_path, ckpt, seed=0, lora=LoRAOptions(rank=8, alpha=16), steps=4, callbacks=()):
     """A fresh module (its base a random init from `seed`) fitted from `ckpt` to `steps`."""
     L.seed_everything(seed)
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(32))
@@ -183,7 +183,8 @@ def resume_lora_sft(tmp_path, ckpt, seed=0, lora=LoRAOptions(rank=8, alpha=16), 
     dm = StaticDataModule(data, batch_size=4, num_workers=0, max_length=64, micro_batch_tokens=256)
     L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
               enable_model_summary=False, use_distributed_sampler=False,
-              default_root_dir=str(tmp_path / "split" / "run")).fit(resumed, datamodule=dm, ckpt_path=ckpt)
+              default_root_dir=str(tmp_path / "split" / "run"), callbacks=list(callbacks)).fit(resumed, datamodule=dm,
+                                                                                              ckpt_path=ckpt)
     return resumed
 
 
@@ -193,7 +194,8 @@ def test_a_resumed_lora_run_continues_exactly_from_a_checkpoint_without_the_base
     run loads the base again (here the same random init), and a run on another base, or without
     the adapter, is refused with one message before anything trains."""
     straight, _, _ = lora_sft(tmp_path / "straight", 4)
-    first, trainer, _ = lora_sft(tmp_path / "split", 2)
+    first, trainer, root = lora_sft(tmp_path / "split", 2, callbacks=[HFExport(every_n_steps=2)])
+    base_written = (base_dir(root) / "model.safetensors").stat().st_mtime_ns
     ckpt = tmp_path / "split.ckpt"
     trainer.save_checkpoint(ckpt)
     saved = torch.load(ckpt, weights_only=False, map_location="cpu")  # written by this test
@@ -203,7 +205,10 @@ def test_a_resumed_lora_run_continues_exactly_from_a_checkpoint_without_the_base
     whole = sum(t.numel() for t in first.state_dict().values())
     assert sum(t.numel() for t in saved["state_dict"].values()) < whole / 10
 
-    resumed = resume_lora_sft(tmp_path, ckpt)
+    resumed = resume_lora_sft(tmp_path, ckpt, callbacks=[HFExport(every_n_steps=2)])
+    # the resumed run exports its adapter over the base its first launch wrote, which it keeps as it was
+    assert (step_dir(root, 4) / ADAPTER_WEIGHTS).is_file()
+    assert (base_dir(root) / "model.safetensors").stat().st_mtime_ns == base_written
     a, b = straight.state_dict(), resumed.state_dict()
     assert a.keys() == b.keys()
     for name in a:  # the adapter as trained straight through, and the base as built

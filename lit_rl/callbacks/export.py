@@ -225,12 +225,17 @@ class HFExport(L.Callback):
         return fill
 
     def ensure_base(self, trainer, pl_module) -> Path:
-        """A LoRA model's frozen base weights in `weights/base`, written once per run. Collective."""
+        """A LoRA model's frozen base weights in `weights/base`, written once per run. A resumed run
+        keeps the one its first launch wrote (the checkpoint's fingerprint of the base was checked
+        against this run's model when it loaded): rewriting it would cost a whole model's write
+        and pull it from under an evaluator's server that is loading it. Collective."""
         path = base_dir(trainer.default_root_dir)
         if self._base_written_for is not trainer:
-            state = base_state(self.full_state_dict(trainer, pl_module))
-            if trainer.is_global_zero:
-                self._write(path, lambda tmp: self._write_plain(pl_module, state, tmp))
+            kept = trainer.ckpt_path is not None and (path / STABLE).is_file()
+            if not trainer.strategy.broadcast(kept):  # rank 0's view, so every rank takes part in the gather or none
+                state = base_state(self.full_state_dict(trainer, pl_module))
+                if trainer.is_global_zero:
+                    self._write(path, lambda tmp: self._write_plain(pl_module, state, tmp))
             trainer.strategy.barrier("hf_export_base")
             self._base_written_for = trainer
         return path
