@@ -160,7 +160,10 @@ def base_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def merged_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The plain model's weights with the adapter merged in: W + alpha/r * B @ A per target layer."""
+    """The plain model's weights with the adapter merged in: W + alpha/r * B @ A per target layer,
+    transposed where the base stores its weight as (in, out) (GPT-2's Conv1D, PEFT's
+    `fan_in_fan_out`) and for an embedding (PEFT's `lora_embedding_A/B`), as PEFT merges. From a
+    gathered state dict (the model itself may be sharded)."""
     options = model.peft_config["default"]
     scale = options.lora_alpha / options.r
     merged = base_state(state)
@@ -168,9 +171,40 @@ def merged_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, 
         if name.endswith(".lora_A.default.weight"):
             layer = name[: -len(".lora_A.default.weight")]
             a, b = state[name].double(), state[f"{layer}.lora_B.default.weight"].double()
-            weight = merged[f"{layer}.weight"]
-            merged[f"{layer}.weight"] = (weight.double() + scale * (b @ a)).to(weight.dtype)
+            delta = b @ a  # (out, in)
+            if getattr(_submodule(model, layer), "fan_in_fan_out", False):
+                delta = delta.T
+        elif name.endswith(".lora_embedding_A.default"):
+            layer = name[: -len(".lora_embedding_A.default")]
+            a, b = state[name].double(), state[f"{layer}.lora_embedding_B.default"].double()
+            delta = (b @ a).T  # (num_embeddings, dim), as the embedding's weight
+        else:
+            continue
+        weight = merged[f"{layer}.weight"]
+        merged[f"{layer}.weight"] = (weight.double() + scale * delta).to(weight.dtype)
+        for tied in _tied_names(model, f"{layer}.weight"):  # a tied head is the merged embedding too
+            if tied in merged:
+                merged[tied] = merged[f"{layer}.weight"]
     return merged
+
+
+def _tied_names(model: nn.Module, name: str) -> list[str]:
+    """The other plain-model names of the parameter `name` (a weight tied to it), if any."""
+    groups: dict[int, list[str]] = {}
+    for full, p in model.named_parameters(remove_duplicate=False):
+        plain = full.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        groups.setdefault(id(p), []).append(plain)
+    return next(([n for n in names if n != name] for names in groups.values() if name in names), [])
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    """The module a state-dict prefix names, in `model` or under PEFT's wrapper of it."""
+    for prefix in ("", "base_model.model."):
+        try:
+            return model.get_submodule(prefix + name)
+        except AttributeError:
+            continue
+    return None
 
 
 def write_adapter(model: nn.Module, state: dict[str, torch.Tensor], directory: Path, base: str) -> None:

@@ -82,6 +82,31 @@ def test_only_the_adapter_trains_and_its_exports_load_as_the_trained_model(tmp_p
     torch.testing.assert_close(logits(merged, IDS), trained, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("targets", [["c_attn", "c_fc"], ["wte", "c_proj"]])
+def test_the_merged_weights_are_pefts_merge_for_conv1d_layers_and_a_tied_embedding(targets):
+    """GPT-2 stores its Conv1D weights as (in, out) (PEFT's fan_in_fan_out) and ties its head to the
+    embedding: the merge of the gathered state dict (HFExport's `merged: true`) failed on the first
+    and left the head unmerged under the second. Compared with PEFT's merge_and_unload."""
+    import copy
+
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    from lit_rl.lora import merged_state
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=320, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                     bos_token_id=0, eos_token_id=0)
+    model = get_peft_model(transformers.GPT2LMHeadModel(config),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    state = {k.removeprefix("base_model.model."): v for k, v in model.state_dict().items()}
+    merged = merged_state(model, state)
+    want = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert merged.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(merged[name], want[name], atol=1e-5, rtol=0, msg=name)
+
+
 def test_a_target_module_that_matches_nothing_names_the_flag_and_the_layers(tmp_path):
     with pytest.raises(ConfigError, match=r"model.lora.target_modules \['qproj'\].*q_proj"):
         lora_sft(tmp_path, 1, lora=LoRAOptions(rank=4, target_modules=["qproj"]))
