@@ -116,7 +116,13 @@ class LitRLCLI(LightningCLI):
                             f"({str(e).split('. ')[0]}); fix: resume from another checkpoint, or start a fresh run") from e
 
     def _instantiate_trainer(self, config, callbacks):
+        from lit_rl.callbacks.export import HFExport
+
         given = [*(config.get("callbacks") or []), *callbacks]
+        if sum(isinstance(c, HFExport) for c in given) > 1:
+            raise UserError("invalid config: trainer.callbacks has more than one lit_rl.callbacks.HFExport; one "
+                            "exports every checkpoint of a run (the weight syncs and online evals use it too): "
+                            "keep one, with the options of both")
         if config.get("enable_checkpointing") is not False and not any(isinstance(c, ModelCheckpoint) for c in given):
             callbacks = [*callbacks, RunCheckpoint()]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):

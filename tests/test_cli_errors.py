@@ -210,6 +210,15 @@ def test_a_dataset_env_with_a_missing_column_and_a_bad_reward_is_one_message(tmp
     assert "has no column 'prompt' (for prompt_column); its columns: ['question', 'answer']" in err, err
 
 
+def test_two_hfexport_callbacks_are_refused(tmp_path, capsys):
+    """Two exported every step twice, each with its own retention; the syncs and online evals used the first."""
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
+    second = '{"class_path": "lit_rl.callbacks.HFExport", "init_args": {"every_n_steps": 1}}'
+    err = user_error(fit_args(tmp_path, data) + ["--trainer.callbacks+", second], capsys)
+    assert "trainer.callbacks has more than one lit_rl.callbacks.HFExport" in err, err
+    assert not (tmp_path / "run" / "weights").exists()
+
+
 def test_lightnings_accumulation_and_clipping_flags_name_lit_rls_own(tmp_path, capsys):
     """Lightning's own refusal (manual optimization) was a traceback that said to switch to
     automatic optimization; lit-rl names the options that do the job, before anything is written."""
