@@ -73,3 +73,19 @@ def test_dropout_on_a_lora_adapter_and_disable_dropout_together_are_refused():
     module = GRPO(model=TINY_MODEL, lora=LoRAOptions(rank=4))
     module.model = qwen3_with_attention_dropout()
     assert training_passes_agree(module)
+
+
+@pytest.mark.parametrize("build", [qwen3_with_attention_dropout, gpt2_with_dropout_modules])
+def test_a_model_that_trains_with_dropout_keeps_the_chunked_head(build):
+    """SFT keeps a model's dropout: the check that its logits are the head over the hidden states
+    ran its two passes with dropout on, drew two masks, and fell back to full [B, T, V] logits for
+    the whole run (with a warning about soft-capping). The modes are as they were afterwards."""
+    module = SFT(model=TINY_MODEL)
+    module.model = build()
+    module.configure_model()
+    module.train()
+    module.model.get_input_embeddings().eval()  # one module left in eval mode: every mode must come back as it was
+    modes = {name: m.training for name, m in module.model.named_modules()}
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(2))
+    assert module._uses_plain_head({"input_ids": ids, "position_ids": torch.arange(16)[None]})
+    assert {name: m.training for name, m in module.model.named_modules()} == modes

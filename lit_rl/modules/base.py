@@ -280,16 +280,24 @@ class CausalLMModule(TrainingStep, L.LightningModule):
 
     def _uses_plain_head(self, micro_batch: dict[str, torch.Tensor], model=None) -> bool:
         """Whether the model's logits are exactly its output head applied to the body's hidden
-        states, checked once per model on a few tokens (soft-capping or logit scaling would differ)."""
+        states, checked once per model on a few tokens (soft-capping or logit scaling would differ).
+        The two passes run with dropout off (every module's mode is put back after): a model that
+        trains with dropout would draw other masks in each and look transformed."""
         model = model or self.model
         if id(model) not in self._head_is_plain:
             probe = {k: micro_batch[k][:1, :8] for k in ("input_ids", "position_ids")}
+            modes = {m: m.training for m in model.modules()}
+            model.eval()
             # Eager even with model.torch_compile: compiled, these two no-grad calls of another
             # signature were two more graphs of the body to compile before the first step.
-            with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-                head = model.get_output_embeddings()
-                ours = head(self._hidden_states(probe, model)).float()
-                theirs = self.logits(probe, model).float()
+            try:
+                with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+                    head = model.get_output_embeddings()
+                    ours = head(self._hidden_states(probe, model)).float()
+                    theirs = self.logits(probe, model).float()
+            finally:
+                for m, training in modes.items():
+                    m.training = training
             plain = ours.shape == theirs.shape and torch.allclose(ours, theirs, rtol=1e-3, atol=1e-3)
             self._head_is_plain[id(model)] = plain
             if not plain:
