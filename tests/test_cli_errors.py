@@ -107,6 +107,10 @@ def test_option_that_is_not_accepted(capsys):
 def test_option_value_that_a_class_rejects(capsys):
     err = user_error(["fit", "--config", CONFIG, "--model.init_args.head_chunk_size", "0"], capsys)
     assert "invalid config: model.head_chunk_size must be >= 1, got 0" in err
+    # HF Trainer's "no clipping" is 0, which here zeroed every update (and a negative norm trained uphill)
+    for value in ("0", "-1.0"):
+        err = user_error(["fit", "--config", CONFIG, "--model.init_args.max_grad_norm", value], capsys)
+        assert "invalid config: model.max_grad_norm must be > 0, or null to disable clipping (HF Trainer's 0)" in err, err
 
 
 def test_unknown_command_suggests_the_closest(capsys):

@@ -110,6 +110,9 @@ class CausalLMModule(TrainingStep, L.LightningModule):
         """
         if head_chunk_size < 1:
             raise ValueError(f"model.head_chunk_size must be >= 1, got {head_chunk_size}")
+        if max_grad_norm is not None and not max_grad_norm > 0:  # 0 would zero every step, a negative one ascend
+            raise ValueError(f"model.max_grad_norm must be > 0, or null to disable clipping (HF Trainer's 0), "
+                             f"got {max_grad_norm}")
         if disable_dropout and lora is not None and lora.dropout > 0:
             raise ValueError(f"model.lora.dropout {lora.dropout} asks for dropout on the adapter, and model.disable_dropout "
                              "true (GRPO's and OPD's default) for none while training: set lora.dropout 0, or "

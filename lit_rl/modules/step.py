@@ -210,7 +210,7 @@ class TrainingStep:
                   start: float, compute_start: float) -> torch.Tensor:
         """Log the step (one collective for every sum; every rank logs the same names); its loss:
         the sum over parts of each part's loss sum over its normaliser."""
-        totals = self._sum_named_over_ranks({name: torch.stack([torch.as_tensor(v, dtype=torch.float32)
+        totals = self._sum_named_over_ranks({name: torch.stack([torch.as_tensor(v, dtype=torch.float32, device=self.device)
                                                                for v in pair]) for name, pair in sums.items()})
         parts = sorted(name.removeprefix("loss_sum/") for name in totals if name.startswith("loss_sum/"))
         part_loss = {p: totals[f"loss_sum/{p}"][0] / counts[f"normaliser/{p}"].clamp(min=1.0) for p in parts}
