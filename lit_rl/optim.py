@@ -112,6 +112,19 @@ class LRSchedule(LambdaLR):
                               scheduler_specific_kwargs=dict(scheduler_kwargs or {}))
         super().__init__(optimizer, built.lr_lambdas)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """A resume goes on with the schedule this run configured (its length: the new
+        `trainer.max_steps`) from the step the checkpoint reached. The optimizer, restored before
+        (by Lightning), holds the learning rate the checkpoint's schedule left; without this its
+        first step after the resume trained at the old schedule's end (0 at the end of a decay)."""
+        configured = {"name": self.name, "warmup_steps": self.warmup_steps, "total_steps": self.total_steps}
+        super().load_state_dict(state_dict)
+        self.__dict__.update(configured)
+        values = [base * fn(self.last_epoch) for base, fn in zip(self.base_lrs, self.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, values):
+            group["lr"] = lr
+        self._last_lr = values
+
 
 class WarmupCosineLR(LRSchedule):
     """Deprecated (lit-rl 0.1 configs): use ``LRSchedule`` with ``name: cosine_with_min_lr``.

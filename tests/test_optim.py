@@ -45,6 +45,20 @@ def test_length_comes_from_the_trainer():
         assert values[max_steps - 1] > 0.1
 
 
+def test_a_resume_with_a_longer_run_goes_on_with_the_longer_schedule():
+    """Resumed at step 4 of 4 with trainer.max_steps 8, restored as Lightning restores (optimizer,
+    then scheduler): the next steps are those of an 8-step schedule, not one step at the 4-step
+    schedule's end (lr 0) first."""
+    kwargs = {"name": "linear", "warmup_steps": 2}
+    short = module_schedule(4, **kwargs)
+    lrs(short, 4)
+    resumed = module_schedule(8, **kwargs)
+    resumed.optimizer.load_state_dict(short.optimizer.state_dict())
+    resumed.load_state_dict(short.state_dict())
+    assert lrs(resumed, 4) == pytest.approx(lrs(module_schedule(8, **kwargs), 8)[4:])
+    assert resumed.total_steps == 8 and resumed.get_last_lr() == pytest.approx([0.0])  # its lr after the 4 steps
+
+
 def test_same_numbers_as_transformers():
     ours = LRSchedule(optimizer(), "cosine_with_min_lr", warmup_steps=3, total_steps=20, scheduler_kwargs={"min_lr_rate": 0.05})
     theirs = get_cosine_with_min_lr_schedule_with_warmup(optimizer(), 3, 20, min_lr_rate=0.05)
