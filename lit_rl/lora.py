@@ -105,11 +105,20 @@ def add_adapter(model: nn.Module, options: LoRAOptions) -> nn.Module:
     from peft import inject_adapter_in_model
 
     try:
-        return inject_adapter_in_model(options.peft_config(), model)
+        model = inject_adapter_in_model(options.peft_config(), model)
     except ValueError as e:  # peft's NoMatchingPeftModuleError is a ValueError
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise ConfigError(f"model.lora.target_modules {options.target_modules!r}: {e} The model's linear layers "
                           f"are named: {', '.join(linear)}") from e
+    head = model.get_output_embeddings()
+    if head is not None and hasattr(head, "lora_A"):
+        # the losses apply the head's weight themselves, at the trained positions only, in chunks: an
+        # adapter on it would get no gradient (its B stays 0) and the run would train nothing there
+        name = next(n for n, m in model.named_modules() if m is head)
+        raise ConfigError(f"model.lora.target_modules {options.target_modules!r} takes in the output head ({name}), "
+                          "which lit-rl's losses apply themselves (at trained positions, in chunks): an adapter there "
+                          "would not train; leave it out")
+    return model
 
 
 def has_adapter(model: nn.Module | None) -> bool:

@@ -110,6 +110,9 @@ def test_the_merged_weights_are_pefts_merge_for_conv1d_layers_and_a_tied_embeddi
 def test_a_target_module_that_matches_nothing_names_the_flag_and_the_layers(tmp_path):
     with pytest.raises(ConfigError, match=r"model.lora.target_modules \['qproj'\].*q_proj"):
         lora_sft(tmp_path, 1, lora=LoRAOptions(rank=4, target_modules=["qproj"]))
+    # the head is applied by the losses themselves: an adapter there stayed at B = 0 (its norm 0.0 after 2 steps)
+    with pytest.raises(ConfigError, match=r"takes in the output head \(lm_head\).*would not train; leave it out"):
+        lora_sft(tmp_path, 1, lora=LoRAOptions(rank=4, target_modules=["q_proj", "lm_head"]))
     with pytest.raises(ValueError, match="model.lora: rank must be an int >= 1"):
         LoRAOptions(rank=0)
     assert LoRAOptions(rank=12).server_max_rank == 16 and LoRAOptions(rank=8).server_max_rank == 8
