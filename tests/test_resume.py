@@ -183,8 +183,7 @@ def test_a_second_ctrl_c_mid_step_aborts_at_once(tmp_path, lit_rl_main):
 def test_signal_saves_a_resumable_checkpoint(tmp_path, sig, code):
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(64))
     root = tmp_path / "run"
-    args = fit(root, data, 10_000, "--trainer.callbacks+=lit_rl.callbacks.HFExport",
-               "--trainer.callbacks.every_n_steps=1")
+    args = fit(root, data, 10_000, "--trainer.callbacks.every_n_steps=1", "--trainer.callbacks.keep_last=null")  # the config's HFExport
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "lit_rl.cli", *args], cwd=REPO, env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -214,9 +213,9 @@ def test_a_non_finite_gradient_stops_the_run_with_its_checkpoint_written(tmp_pat
     from step 2."""
     data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(64))
     root = tmp_path / "run"
-    code, _, stderr = lit_rl_main(fit(root, data, 6, "--trainer.callbacks+=online_eval_helpers.NaNLossAtStep",
-                                      "--trainer.callbacks.step=2", "--trainer.callbacks+=lit_rl.callbacks.HFExport",
-                                      "--trainer.callbacks.every_n_steps=1"))
+    callbacks = [{"class_path": "lit_rl.callbacks.HFExport", "init_args": {"every_n_steps": 1}},
+                 {"class_path": "online_eval_helpers.NaNLossAtStep", "init_args": {"step": 2}}]
+    code, _, stderr = lit_rl_main(fit(root, data, 6, "--trainer.callbacks", json.dumps(callbacks)))
     assert code == 1 and "Traceback" not in stderr, stderr[-3000:]
     ckpt_path = root / "checkpoints" / "last.ckpt"
     lines = stderr.strip().splitlines()
