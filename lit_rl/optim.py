@@ -108,8 +108,12 @@ class LRSchedule(LambdaLR):
                 "(leave it out to follow the trainer)", type(self).__name__, total_steps, trainer_steps,
             )
         self.name, self.warmup_steps, self.total_steps = name, warmup_steps, steps
-        built = get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=steps,
-                              scheduler_specific_kwargs=dict(scheduler_kwargs or {}))
+        try:
+            built = get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=steps,
+                                  scheduler_specific_kwargs=dict(scheduler_kwargs or {}))
+        except (TypeError, ValueError) as e:  # transformers' own words on a schedule's missing or unknown arguments
+            raise ConfigError(f"{type(self).__name__} {name!r}: {e}; scheduler_kwargs gives the schedule's own "
+                              f"arguments (got {dict(scheduler_kwargs or {})})") from e
         super().__init__(optimizer, built.lr_lambdas)
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -59,6 +59,15 @@ def test_a_resume_with_a_longer_run_goes_on_with_the_longer_schedule():
     assert resumed.total_steps == 8 and resumed.get_last_lr() == pytest.approx([0.0])  # its lr after the 4 steps
 
 
+def test_a_schedules_missing_or_unknown_argument_is_one_error_naming_scheduler_kwargs():
+    """transformers' own TypeError or ValueError (a traceback from inside it) becomes a ConfigError."""
+    for name, kwargs, said in (("warmup_stable_decay", {}, "missing 1 required positional argument: 'num_decay_steps'"),
+                               ("cosine_warmup_with_min_lr", {}, "One of min_lr or min_lr_rate should be set"),
+                               ("cosine", {"bogus": 1}, "unexpected keyword argument 'bogus'")):
+        with pytest.raises(ConfigError, match=f"LRSchedule '{name}': .*{said}.*scheduler_kwargs gives the schedule's own"):
+            LRSchedule(optimizer(), name=name, warmup_steps=2, total_steps=10, scheduler_kwargs=kwargs)
+
+
 def test_same_numbers_as_transformers():
     ours = LRSchedule(optimizer(), "cosine_with_min_lr", warmup_steps=3, total_steps=20, scheduler_kwargs={"min_lr_rate": 0.05})
     theirs = get_cosine_with_min_lr_schedule_with_warmup(optimizer(), 3, 20, min_lr_rate=0.05)
