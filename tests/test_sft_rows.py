@@ -58,3 +58,15 @@ def test_a_template_raising_a_type_error_is_a_bad_row(tmp_path):
     dm.setup("fit")
     stats = next(iter(dm.train_dataloader()))["stats"]
     assert stats["skipped_rows"] == 1 and stats["rows"] == 3
+
+
+def test_a_chat_that_opens_with_the_assistant_trains_every_assistant_turn():
+    """A greeting before the user's first message: the check of each turn's start rendered the
+    messages before it, none here, which templates refuse ("Cannot apply chat template to an empty
+    conversation"), so the row was refused."""
+    tok = AutoTokenizer.from_pretrained(TINY_MODEL)
+    chat = [{"role": "assistant", "content": "Hi, how can I help?"}, {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a"}]
+    rendered = render_messages(tok, chat)
+    assert rendered.input_ids == tok.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
+    assert trained_text(tok, rendered) == "Hi, how can I help?<|im_end|>a<|im_end|>"

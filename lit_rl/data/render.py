@@ -177,6 +177,8 @@ def _turn_starts(full: str, messages: list[dict], asst: list[int], probe: _Probe
     occ = _find_all(full, h) if h else []
     if h and len(occ) == len(asst):
         for k, i in enumerate(asst):  # cross-check with prefix renders that are prefixes of F
+            if i == 0:  # a chat that opens with the assistant: nothing before it to render (templates refuse [])
+                continue
             p = render(messages[:i], gen=True)
             if full.startswith(p) and sum(o + len(h) <= len(p) for o in occ) != k + 1:
                 raise _impossible(i, f"the assistant header {h!r} is ambiguous")
