@@ -96,15 +96,14 @@ class LitRLCLI(LightningCLI):
             super()._run_subcommand(subcommand)
         except BaseException as e:
             remove_empty_log_dir(self.trainer)
-            self._refuse_unreadable_checkpoint(e)  # `--ckpt_path last`: read when the trainer restores
+            self._refuse_unreadable_checkpoint(e)  # read when the trainer restores it
             raise
 
     def _parse_ckpt_path(self) -> None:
-        try:
-            super()._parse_ckpt_path()  # a given path: read at start-up for the model's saved arguments
-        except RuntimeError as e:
-            self._refuse_unreadable_checkpoint(e)
-            raise
+        """Lightning's reads a given checkpoint whole at start-up (weights and optimizer state, in
+        CPU memory) for the model's saved `__init__` arguments, before the trainer loads it again to
+        restore it. lit-rl's modules save none (their arguments are the config's), so nothing is
+        read here: a resume of a large model loads its checkpoint once."""
 
     def _refuse_unreadable_checkpoint(self, e: BaseException) -> None:
         """torch's error on a checkpoint file cut short (a full disk, a copy that stopped) is a

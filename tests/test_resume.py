@@ -143,6 +143,31 @@ def test_a_truncated_checkpoint_is_one_message(runs, tmp_path, lit_rl_main):
     assert "cannot read the checkpoint (--ckpt_path last): it is truncated or corrupt" in stderr, stderr[-3000:]
 
 
+def test_a_resume_reads_its_checkpoint_once(runs, tmp_path, monkeypatch):
+    """LightningCLI read a given checkpoint whole at start-up, for saved `__init__` arguments that
+    lit-rl's modules do not save, and the trainer read it again to restore it: twice a large
+    model's weights and optimizer state in CPU memory. Counted with torch.load itself, in process."""
+    import shutil
+
+    from lit_rl import cli
+
+    _, data, _, split = runs
+    copy = tmp_path / "copy"
+    shutil.copytree(split, copy)
+    ckpt = copy / "checkpoints" / "last.ckpt"
+    reads, load = [], torch.load
+
+    def counted(f, *args, **kwargs):
+        reads.append(str(getattr(f, "path", f)))  # the restore opens it through fsspec
+        return load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counted)
+    monkeypatch.setattr(sys, "argv", ["lit-rl"])
+    cli.main(fit(copy, data, 7, "--ckpt_path", str(ckpt)))
+    assert reads.count(str(ckpt)) == 1, reads
+    assert 7 in stable_steps(copy)
+
+
 def test_checkpoint_of_another_model_is_refused(runs, tmp_path, lit_rl_main):
     _, data, _, split = runs
     other = tmp_path / "other_model"
