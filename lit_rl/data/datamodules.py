@@ -22,6 +22,18 @@ from lit_rl.errors import ConfigError
 from lit_rl.run_seed import order_seed, saved_order_seed
 
 PACKING_MODES = ("padded", "packed")
+
+
+def layout_problems(packing: str, micro_batch_tokens: int, pack_length: int | None) -> list[str]:
+    """What is wrong with a step's layout options, the same for every data module: the packing
+    mode, and a packed row longer than a micro-batch's token budget (it alone would break it)."""
+    problems = []
+    if packing not in PACKING_MODES:
+        problems.append(f"data.packing must be one of {PACKING_MODES}, got {packing!r}")
+    if packing == "packed" and pack_length is not None and pack_length > micro_batch_tokens:
+        problems.append(f"data.pack_length ({pack_length}) exceeds data.micro_batch_tokens ({micro_batch_tokens}): "
+                        "one packed row would break the micro-batch memory bound")
+    return problems
 BAD_ROW_POLICIES = ("error", "skip")
 
 
@@ -124,9 +136,7 @@ class StaticDataModule(L.LightningDataModule):
 
     # ---- set-up and validation ---------------------------------------------------------------
     def option_problems(self) -> list[str]:
-        problems = []
-        if self.packing not in PACKING_MODES:
-            problems.append(f"data.packing must be one of {PACKING_MODES}, got {self.packing!r}")
+        problems = layout_problems(self.packing, self.micro_batch_tokens, self.pack_length)
         if self.bad_rows not in BAD_ROW_POLICIES:
             problems.append(f"data.bad_rows must be one of {BAD_ROW_POLICIES}, got {self.bad_rows!r}")
         if self.batch_size < 1:
@@ -138,11 +148,6 @@ class StaticDataModule(L.LightningDataModule):
             )
         if self.packing == "packed" and self.pack_length is not None and self.pack_length < self.max_length:
             problems.append(f"data.pack_length ({self.pack_length}) must be >= data.max_length ({self.max_length})")
-        if self.packing == "packed" and self.pack_length is not None and self.pack_length > self.micro_batch_tokens:
-            problems.append(
-                f"data.pack_length ({self.pack_length}) exceeds data.micro_batch_tokens ({self.micro_batch_tokens}): "
-                "one packed row would break the micro-batch memory bound"
-            )
         if self.val_path and self.val_split:
             problems.append("give data.val_path or data.val_split, not both")
         elif self.val_split and (kind := single_split_kind(self.path)):

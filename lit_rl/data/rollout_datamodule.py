@@ -37,7 +37,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_rl import stopping
-from lit_rl.data.datamodules import PACKING_MODES, resolve_tokenizer_name
+from lit_rl.data.datamodules import layout_problems, resolve_tokenizer_name
 from lit_rl.data.held_batch import HeldBatch
 from lit_rl.data.mixing import build_mixed_step
 from lit_rl.data.rank_share import from_wire, rank_share, to_wire
@@ -170,11 +170,7 @@ class RolloutDataModule(L.LightningDataModule):
         if self.group_size < 1 or self.batch_size < 1 or (self.batch_size % self.group_size and not self.replay):
             problems.append(f"data.batch_size ({self.batch_size}) must be a positive multiple of data.group_size "
                             f"({self.group_size})")
-        if self.packing not in PACKING_MODES:
-            problems.append(f"data.packing must be one of {PACKING_MODES}, got {self.packing!r}")
-        if self.packing == "packed" and self.pack_length is not None and self.pack_length > self.micro_batch_tokens:
-            problems.append(f"data.pack_length ({self.pack_length}) exceeds data.micro_batch_tokens "
-                            f"({self.micro_batch_tokens}): one packed row would break the micro-batch memory bound")
+        problems += layout_problems(self.packing, self.micro_batch_tokens, self.pack_length)
         unknown = set(self.enforce_filters) - set(FILTERS)
         if unknown:
             problems.append(f"data.enforce_filters: unknown {sorted(unknown)}; known: {list(FILTERS)}")
