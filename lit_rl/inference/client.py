@@ -434,18 +434,24 @@ class InferenceClient:
         return self._context_length
 
     async def _check_room(self, what: str, prompt_ids: Sequence[int]) -> None:
-        if self._no_model_list:
-            return
-        try:
-            limit = await self.max_model_len()
-        except InferenceRequestError:
-            if self.model is None:
-                raise
-            self._no_model_list = True  # a server without /v1/models, told the model's name: nothing to check
-            return
+        limit = self._context_length if await self._look_up_listed() else None
         if limit is not None and len(prompt_ids) >= limit:
             raise ContextLengthError(f"{what}: the prompt has {len(prompt_ids)} tokens and the server's context "
                                      f"(max_model_len) is {limit}: no room for a completion")
+
+    async def _look_up_listed(self) -> bool:
+        """`_look_up_model`, except from a server without `/v1/models` that was told the model's
+        name: asked once, then False (its context and directory stay unknown)."""
+        if self._no_model_list:
+            return False
+        try:
+            await self._look_up_model()
+        except InferenceRequestError:
+            if self.model is None:
+                raise
+            self._no_model_list = True
+            return False
+        return True
 
     async def _look_up_model(self) -> None:
         # the first calls of a new client come together: one lookup, and all of them go on at
@@ -473,11 +479,7 @@ class InferenceClient:
     async def tokenizer(self):
         if self._tokenizer is None or isinstance(self._tokenizer, (str, Path)):
             if self._tokenizer is None:
-                try:
-                    await self._look_up_model()  # also when the model was named: its card says where it is
-                except InferenceRequestError:
-                    if self.model is None:
-                        raise
+                await self._look_up_listed()  # also when the model was named: its card says where it is
                 root = self._served_root or self.model
                 if not Path(root).is_dir():
                     raise ValueError(f"chat needs a tokenizer: the served model {root!r} is not a local directory; pass tokenizer=")

@@ -31,8 +31,8 @@ import time
 from typing import Any
 
 from lit_rl.data.samples import SampleGroup
-from lit_rl.rewards.extras import require
 from lit_rl.inference.client import ContextLengthError
+from lit_rl.rewards.extras import require
 from lit_rl.rollouts.context import RolloutContext
 from lit_rl.rollouts.envs import Environment, EvalRun, eval_metrics
 from lit_rl.rollouts.reward_functions import RewardFunctionError
