@@ -144,7 +144,7 @@ def remove_empty_log_dir(trainer) -> None:
     if not isinstance(log_dir, str) or not Path(log_dir).is_dir():
         return
     log_dir = Path(log_dir)
-    if {p.name for p in log_dir.iterdir()} - {"config.yaml"} or any(p.is_dir() for p in log_dir.iterdir()):
+    if any(p.name != "config.yaml" or p.is_dir() for p in log_dir.iterdir()):
         return
     shutil.rmtree(log_dir)
     if log_dir.parent.name == "logs":
