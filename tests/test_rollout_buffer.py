@@ -456,6 +456,32 @@ def test_facade_timeout_loses_nothing_and_close_leaves_no_task(vllm_server, capl
         rollouts.next_batch()
 
 
+class LongPromptEnv(GenEnv):
+    """Prompts that leave fewer tokens than `max_tokens` in the server's context (1024)."""
+
+    def load_tasks(self) -> list[dict]:
+        return [{"id": f"t{i}", "i": i, "prompt": [{"role": "user", "content": f"{i} " + "x" * 990}]}
+                for i in range(self.num_tasks)]
+
+
+def test_a_teacher_with_the_policys_context_scores_every_sample_the_policy_draws(vllm_server):
+    """A teacher scores a sample with a prefill that leaves room for one generated token, so a
+    sample that fills the policy's context (max_model_len 1024 here, the teacher's too) could not
+    be scored: every group of long prompts was retried, then rejected, until the run failed. The
+    buffer caps its policy's completions at the teacher's context less one token."""
+    env = LongPromptEnv(num_tasks=4, max_tokens=48)
+    prompt = len(chat_prompt_ids(TOK, env.prompt(env.tasks()[0])))
+    assert 1024 - 48 < prompt < 1023  # the 48 tokens asked for would fill the context
+    buffer = make_buffer(vllm_server, env, batch_size=4, num_batches=1, max_staleness=None,
+                         teacher=vllm_server.client, on_failure="raise")
+    (batch,) = asyncio.run(collect(buffer))
+    for s in batch:
+        assert len(s) == 1023 and s.finish_reason == "length"  # cut to leave the teacher its token
+        n = s.loss_mask.index(True)
+        assert len(s.teacher_logprobs) == len(s) and all(lp < 0 for lp in s.teacher_logprobs[n:])
+    assert buffer.metrics()["rollout/rejected"] == 0
+
+
 # -- a dead server -----------------------------------------------------------------------------
 
 

@@ -174,6 +174,8 @@ class InferenceClient:
         self._root = self.openai.with_options(base_url=self.root_url)  # same pool, for non-/v1 routes
         self._served_root: str | None = None
         self._context_length: int | None = None  # the served model's max_model_len, from /v1/models
+        self._context_cap: int | None = None  # a tighter bound on prompt + completion (`cap_context`)
+        self._context_cap_why = ""
         self._no_model_list = False
         self._stock_reload = False
         self._no_pause = False  # the server has no /pause (an older vLLM)
@@ -213,6 +215,8 @@ class InferenceClient:
             body["ignore_eos"] = True
         optional = {"seed": seed, "stop": list(stop) if stop else None}
         await self._check_room("generate", prompt_ids)
+        if self._context_cap is not None:  # cut as the server cuts at its own context: finish_reason "length"
+            max_tokens = min(max_tokens, self._context_cap - len(prompt_ids))
         settings = {"model": await self._model_name(), "max_tokens": max_tokens, "n": n, "temperature": temperature,
                     "top_p": top_p, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logprobs": 0, "extra_body": body,
                     **{k: v for k, v in optional.items() if v is not None}}
@@ -429,15 +433,28 @@ class InferenceClient:
 
     async def max_model_len(self) -> int | None:
         """The served model's context (prompt + completion tokens), as `/v1/models` reports it;
-        None from a server that does not say (not vLLM)."""
-        await self._look_up_model()
-        return self._context_length
+        None from a server that does not say (not vLLM, or one without `/v1/models` told the model's name)."""
+        return self._context_length if await self._look_up_listed() else None
+
+    def cap_context(self, tokens: int | None, why: str) -> None:
+        """Keep every generation's prompt + completion within `tokens` (None: the server's own
+        context only), `why` naming the bound in errors. Why: a teacher scores each sample with one
+        prefill that must leave room for a token, so a completion that fills the policy's context
+        could never be scored when the teacher's context is no larger (the rollout buffer caps its
+        policy client at the teacher's max_model_len - 1). A completion cut here ends as one the
+        server cuts at its own context does: shorter than asked, finish_reason "length"."""
+        if tokens is not None and tokens < 2:
+            raise ValueError(f"cap_context: {tokens} tokens leave no room for a prompt and a completion ({why})")
+        self._context_cap, self._context_cap_why = tokens, why
 
     async def _check_room(self, what: str, prompt_ids: Sequence[int]) -> None:
         limit = self._context_length if await self._look_up_listed() else None
         if limit is not None and len(prompt_ids) >= limit:
             raise ContextLengthError(f"{what}: the prompt has {len(prompt_ids)} tokens and the server's context "
                                      f"(max_model_len) is {limit}: no room for a completion")
+        if what == "generate" and self._context_cap is not None and len(prompt_ids) >= self._context_cap:
+            raise ContextLengthError(f"{what}: the prompt has {len(prompt_ids)} tokens and leaves no room for a "
+                                     f"completion within {self._context_cap} ({self._context_cap_why})")
 
     async def _look_up_listed(self) -> bool:
         """`_look_up_model`, except from a server without `/v1/models` that was told the model's

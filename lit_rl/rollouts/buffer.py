@@ -291,6 +291,10 @@ class RolloutBuffer:
             self._client = self._client_factory()
         if self._teacher is None and self._teacher_factory is not None:
             self._teacher = self._teacher_factory()
+        if self._teacher is not None and (context := await self._teacher.max_model_len()) is not None:
+            # the teacher's prefill of a sample must leave room for the one token it generates
+            self._client.cap_context(context - 1, f"the teacher server's max_model_len {context}, less the token its "
+                                                  "scoring request generates")
         if self.tokenizer is None:
             self.tokenizer = await self._client.tokenizer()
         return self._client
