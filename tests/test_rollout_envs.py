@@ -193,6 +193,33 @@ def test_transcript_closes_a_truncated_turn_as_context():
     assert s.num_targets == len(cut.completion_ids) + len(last.completion_ids)
 
 
+@pytest.mark.parametrize("thinking", [True, False])
+def test_transcript_on_qwen3s_own_template_puts_the_templates_text_between_turns(thinking):
+    """Qwen3's shipped template (TRL's copy) gives the last assistant turn an empty think block and
+    drops it once a message follows: the context between two model turns is still what the
+    template renders there, for a user turn and for tool results."""
+    from importlib.resources import files
+
+    tok = AutoTokenizer.from_pretrained(TINY_MODEL)
+    tok.chat_template = (files("trl") / "chat_templates" / "qwen3.jinja").read_text()
+    kwargs = {"enable_thinking": thinking}
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
+    for follow in ([{"role": "user", "content": "again"}],
+                   [{"role": "tool", "content": "42"}, {"role": "tool", "content": "43"}]):
+        use_tools = tools if follow[0]["role"] == "tool" else None
+        chat = [{"role": "user", "content": "hi"}]
+        t = Transcript.from_messages(tok, chat, tools=use_tools, chat_template_kwargs=kwargs)
+        turn = fake_completion(t.prompt_ids, "<think>\nok\n</think>\n\nhello<|im_end|>")
+        t.add_completion(turn)
+        t.add_messages(follow)
+        # the template's own text after the turn's <|im_end|>, from a render of the whole chat
+        rendered = tok.apply_chat_template(chat + [{"role": "assistant", "content": "hello"}] + follow, tools=use_tools,
+                                           tokenize=False, add_generation_prompt=True, **kwargs)
+        between = rendered.split("hello<|im_end|>", 1)[1]
+        assert tok.decode(t.input_ids[len(turn.prompt_ids) + len(turn.completion_ids):]) == between
+        assert between.startswith("\n<|im_start|>user\n") and not any(t.loss_mask[len(turn.prompt_ids) + len(turn.completion_ids):])
+
+
 def test_transcript_refuses_misuse():
     t = Transcript(TOK, chat_prompt_ids(TOK, [{"role": "user", "content": "x"}]))
     with pytest.raises(ValueError, match="add_completion"):

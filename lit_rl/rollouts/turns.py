@@ -27,8 +27,11 @@ conversation grows by when the new messages and a generation prompt are added (t
 fixed conversation, not the real one, is rendered because templates such as Qwen3's rewrite
 earlier assistant turns depending on later messages, so the render of the real history is not
 always a prefix of the render with the new messages; the delta of a fixed conversation is what
-the template puts between one assistant turn and the next. The context appended is the rest of
-the closer after the end-of-turn token (the ``\\n`` after ``<|im_end|>``) plus the delta.
+the template puts between one assistant turn and the next. Even the fixed turn is rewritten:
+Qwen3's template gives the last assistant turn an empty ``<think>`` block that it drops once a
+message follows. So the delta is read after the fixed turn's body (a sentinel) and its closer in
+the grown render, not as what the grown render adds to the shorter one. The context appended is
+the rest of the closer after the end-of-turn token (the ``\\n`` after ``<|im_end|>``) plus the delta.
 
 A model turn that did not end with the template's end-of-turn token (it hit ``max_tokens``, or
 stopped on a string or on another eos) gets the whole closer as context: the conversation stays
@@ -40,13 +43,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lit_rl.data.render import RenderError, _get_probe, _Renderer, _thread_tokenizer
+from lit_rl.data.render import _SENTINEL, RenderError, _get_probe, _Renderer, _thread_tokenizer
 from lit_rl.data.samples import Sample
 from lit_rl.data.tools import normalize_messages, normalize_tools
 from lit_rl.inference.client import Completion, chat_prompt_ids
 
 # The fixed conversation whose growth gives the context between two assistant turns.
-_BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+_BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
 
 
 def completion_text(tokenizer, completion: Completion) -> str:
@@ -190,12 +193,12 @@ class Transcript:
 
     def _context_ids(self, messages: list[dict], *, closed: bool) -> list[int]:
         tok, render, probe = self._renderer()
-        base = render(_BASE)
         grown = render(normalize_messages(_BASE + messages), gen=True)
-        if not base.endswith(probe.closer) or not grown.startswith(base):
+        anchor = _SENTINEL + probe.closer
+        if grown.count(anchor) != 1:
             raise RenderError(
-                "Transcript.add_messages: the chat template does not render new messages as a suffix of "
-                "the conversation before them, so the context between model turns cannot be derived"
+                "Transcript.add_messages: the chat template does not close an assistant turn with "
+                f"{probe.closer!r} when messages follow it, so the context between model turns cannot be derived"
             )
         closer = probe.closer[len(probe.stop):] if closed and probe.stop else probe.closer
-        return tok(closer + grown[len(base):], add_special_tokens=False)["input_ids"]
+        return tok(closer + grown[grown.index(anchor) + len(anchor):], add_special_tokens=False)["input_ids"]
