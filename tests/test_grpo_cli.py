@@ -173,3 +173,26 @@ def test_two_ranks_share_each_batch_of_a_dataset_with_reward_functions_and_resum
         assert len(ids0) == len(ids1) == 4
         assert not ids0 & ids1, (half0, half1)
         assert ids0 | ids1 == {(s["draw"], s["member"]) for s in batch["samples"]}
+
+
+def test_a_step_that_fails_after_drawing_its_batch_resumes_on_that_batch(vllm_server, data, tmp_path):
+    """A NaN loss at step 2, the first of batch 1's two updates: the batch was drawn (the buffer's
+    state has moved past it), so the failure's checkpoint keeps it and the resumed run trains
+    it, both updates, where the run without the failure would have; the trust region's old
+    logprobs are the resumed first update's own, against the weights that sampled it (max_staleness 0)."""
+    root = tmp_path / "run"
+    callbacks = [{"class_path": "online_eval_helpers.NaNLossAtStep", "init_args": {"step": 2}}]
+    common = [*shared(vllm_server), "--data.init_args.max_staleness", "0", "--model.init_args.updates_per_batch", "2"]
+    first = run(grpo_args(root, data, str(vllm_server.model_dir), 4, *common, "--trainer.callbacks", json.dumps(callbacks)),
+                env={"PYTHONPATH": str(REPO / "tests")})  # the callback's module
+    assert first.returncode == 1 and "(step 2)" in first.stderr, first.stderr[-4000:]
+    drawn = trained(root)
+    assert [s["step"] for s in drawn] == [0, 2]
+    second = run(grpo_args(root, data, str(vllm_server.model_dir), 4, *common, "--ckpt_path", "last"))
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert trained(root) == drawn  # the failed step's batch, not a new one
+    rows = [r for r in csv.DictReader(open(sorted(root.glob("logs/version_*/metrics.csv"))[-1]))
+            if r.get("train/reward")]
+    assert [int(r["step"]) for r in rows] == [2, 3]
+    assert float(rows[0]["train/clip_fraction"]) == 0.0 and float(rows[0]["train/mismatch_kl"]) < 1e-3
+    assert rows[0]["train/tokens"] == rows[1]["train/tokens"]

@@ -75,9 +75,12 @@ class HeldBatch:
         self.step = step
         return step
 
-    def state_dict(self, world_size: int) -> dict:
+    def state_dict(self, world_size: int, keep_old: bool = True) -> dict:
         """Plain data: the samples as dicts and every rank's old logprobs as lists (a collective
-        under several ranks: every rank must call it)."""
+        under several ranks: every rank must call it). `keep_old` False: no old logprobs (a step
+        that failed at the batch's first update, whose resume computes them again)."""
+        if not keep_old:
+            return {"first_step": self.first_step, "payload": to_wire(self.payload), "old_logprobs": None}
         if self.step is None:  # restored and not yet trained: what the checkpoint had
             return {"first_step": self.first_step, "payload": to_wire(self.payload), "old_logprobs": self._restored}
         mine = [[] if mb["old_logprobs"].value is None else mb["old_logprobs"].value.float().flatten().tolist()

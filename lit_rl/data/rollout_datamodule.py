@@ -392,7 +392,9 @@ class RolloutDataModule(L.LightningDataModule):
         wait_start = time.perf_counter()
         if not self._traces_rewound:  # the first step of this run
             if trainer.global_step > 0:  # resumed (a fresh run's old traces are removed by `_start_rollouts`)
-                rewind_traces(self._root(), trainer.global_step, trainer.global_rank)
+                # a held batch keeps the trace of the step that drew it (even the one that failed)
+                held_from = -1 if self._held is None else self._held.first_step + 1
+                rewind_traces(self._root(), max(trainer.global_step, held_from), trainer.global_rank)
             self._traces_rewound = True
         update = trainer.global_step % self.updates_per_batch
         first_step = trainer.global_step - update
@@ -496,9 +498,12 @@ class RolloutDataModule(L.LightningDataModule):
         if self.mix.state_dict():
             state["replay"] = self.mix.state_dict()
         trainer, held = self.trainer, self._held
-        if held is not None and trainer is not None and held.first_step < trainer.global_step < (
-                held.first_step + self.updates_per_batch):  # saved between two updates of one batch
-            state["held_batch"] = held.state_dict(trainer.world_size)  # a collective: every rank dumps
+        # A batch drawn from the buffer (whose state has moved past it) and not yet fully trained:
+        # saved between two of its updates, or by a step that failed after drawing it, which a
+        # resume trains again. At its first update nothing of the trust region is kept yet.
+        if held is not None and trainer is not None and held.first_step <= trainer.global_step < (
+                held.first_step + self.updates_per_batch):
+            state["held_batch"] = held.state_dict(trainer.world_size, keep_old=trainer.global_step > held.first_step)
         return state
 
     def load_state_dict(self, state: dict) -> None:
