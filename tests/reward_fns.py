@@ -76,6 +76,11 @@ def names_its_arguments(completions, question, answer):
     return [float(q.startswith("What") and a == "4") for q, a in zip(question, answer)]
 
 
+def ramped(prompts, completions, trainer_state, max_steps, **columns):
+    """Shaped by progress as docs/environments.md says: `max_steps` bound in the config's kwargs."""
+    return [trainer_state.global_step / max_steps] * len(completions)
+
+
 def numpy_values(prompts, completions, **columns):
     import numpy as np
 

@@ -55,6 +55,16 @@ def test_math_verify_accepts_equal_answers_that_strings_miss():
     assert asyncio.run(math_verify(["q", "q"], conv, answer_column="solution", solution=["3/4", "\\frac{"])) == [1.0, None]
 
 
+def test_math_verify_compares_word_answers_as_text_and_reads_delimited_golds_once():
+    """As LaTeX "no" is n*o, equal to \\boxed{on}: a gold of words is compared as text; a gold
+    already in \\[...\\] or \\(...\\) wrapped in $...$ again parsed to nothing (None)."""
+    golds = ["no", "east", "no", "North East", "\\[\\frac{1}{2}\\]", "\\(\\frac{1}{2}\\)", "A", "A"]
+    answers = ["\\boxed{on}", "\\boxed{seat}", "So: \\boxed{No}.", "\\boxed{north east}", "\\boxed{0.5}",
+               "\\boxed{1/2}", "\\boxed{A}", "\\boxed{B}"]
+    got = asyncio.run(math_verify(["q"] * len(golds), answers, answer=golds))
+    assert got == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+
+
 def test_exact_match_normalises_case_spacing_punctuation_and_boxes():
     assert normalize_answer("The answer is $1,000$.") == normalize_answer("answer is 1000") == "answer is 1000"
     cases = [("Earth", "earth."), ("Earth", "\\boxed{EARTH}"), ("-3.5", "  -3.5 "), ("Earth", "Mars"),
@@ -63,6 +73,16 @@ def test_exact_match_normalises_case_spacing_punctuation_and_boxes():
     assert got == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
     assert exact_match(["q"], ["Work...\nAnswer: the Earth"], answer=["Earth"], answer_pattern=r"Answer:\s*(.+)") == [1.0]
     assert exact_match(["q"], ["\\boxed{\\frac{1}{2}} then"], answer=["\\frac{1}{2}"]) == [1.0]  # nested braces
+
+
+def test_exact_match_keeps_a_lone_letter_and_the_commas_between_items():
+    """Gold "A" (a choice) is not an article: an empty reply is no answer; "2,3" is two items, not 23."""
+    cases = [("A", ""), ("A", "\\boxed{}"), ("A", "\\boxed{B}"), ("A", "\\boxed{(a)}"), ("The", "an"),
+             ("2,3", "\\boxed{23}"), ("2,3", "\\boxed{2, 3}"), ("1,000", "\\boxed{1000}"), ("Paris, France", "paris france")]
+    got = exact_match(["q"] * len(cases), [a for _, a in cases], answer=[g for g, _ in cases])
+    assert got == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    assert exact_match(["q"], ["Answer: "], answer=["A"], answer_pattern=r"Answer:\s*(.*)") == [0.0]
+    assert exact_match(["q"], ["Answer: a"], answer=["A"], answer_pattern=r"Answer:\s*(.*)") == [1.0]
 
 
 def test_regex_match_is_a_format_reward():
@@ -172,6 +192,16 @@ def test_trl_functions_get_what_trl_hands_them_and_may_return_arrays(tmp_path):
         RewardLog(extra={"when": [object(), 1]}).extra_of(2, "0")
     with pytest.raises(RewardFunctionError, match=r"log_metric\('x', nan\): expected a metric name and a finite number"):
         RewardLog().log_metric("x", float("nan"))
+
+
+def test_a_reward_shaped_by_progress_takes_max_steps_as_a_bound_keyword():
+    """`trainer_state` has TRL's `global_step` but no `max_steps` (the rollouts are not told it):
+    the way docs/environments.md gives binds it in the config's kwargs, not a column the row needs."""
+    from lit_rl.rollouts.reward_functions import RewardState
+
+    fn = RewardFunction("reward_fns.ramped", kwargs={"max_steps": 8})
+    assert fn.columns == [] and not hasattr(RewardState(2), "max_steps")
+    assert asyncio.run(fn(["q"], ["a"], {}, [{"id": "0"}], None, "0", RewardState(2))) == [0.25]
 
 
 def test_an_async_per_sample_function_scores_a_group_concurrently(tmp_path):
@@ -295,6 +325,24 @@ def test_reasoning_gym_tasks_repeat_from_the_seed_and_score_with_the_datasets_ow
         ReasoningGymEnv("spell_backward", config={"max_len": 3})
 
 
+def test_reasoning_gym_scores_a_malformed_answer_zero_where_its_scorer_raises(caplog):
+    """prime_factorization's scorer parses with int() and boxnet's iterates the answer: junk raises
+    there, and is a wrong answer (0.0, one warning per dataset), not a failed group or eval."""
+    from lit_rl.rollouts import ReasoningGymEnv
+
+    env = ReasoningGymEnv("prime_factorization", size=3)
+    task = env.tasks()[0]
+    good = f"<answer>{task['entry']['answer']}</answer>"
+    with caplog.at_level("WARNING", logger="lit_rl.rollouts.reasoning_gym_env"):
+        total, _ = asyncio.run(env.score_group([good, "<answer>2 x 3</answer>", "<answer>two</answer>"], task))
+        assert total == [1.0, 0.0, 0.0]
+        boxnet = ReasoningGymEnv("boxnet", size=1, answer_tag=None)
+        assert boxnet.reward("-1", boxnet.tasks()[0]) == 0.0
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2 and "prime_factorization's score_answer raised on the answer '2 x 3'" in warned[0]
+    assert "boxnet" in warned[1]
+
+
 def test_a_missing_extra_is_one_message_naming_it(monkeypatch, tmp_path):
     """Without math-verify (hidden from the import system here), naming its reward says what to install."""
     import importlib.util
@@ -352,6 +400,57 @@ def test_chat_prompts_give_trl_functions_conversational_prompts_and_completions(
     assert call["prompts"] == [chats[0]["prompt"]] * 3
     assert call["completions"] == [[{"role": "assistant", "content": t}] for t in ("hello there", "go away", "Hello")]
     assert parts == {"says_hello": [1.0, 0.0, 0.0], "exact_match": [0.0, 0.0, 1.0]} and total == [1.0, 0.0, 1.0]
+
+
+def test_math_verify_scores_on_a_fresh_pool_after_a_worker_dies(tmp_path):
+    """A SIGKILLed worker (the OOM killer, say) breaks its pool: the next groups are scored on a new
+    one, not failed with BrokenProcessPool for the rest of the run; no worker outlives the scorer."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "score.py"
+    script.write_text(
+        "import asyncio, os, signal, time\n"
+        "from lit_rl.rewards import math_answers, math_verify\n"
+        "def score():\n"
+        "    return asyncio.run(math_verify(['q', 'q'], ['\\\\boxed{1}', '2'], answer=['1', '1']))\n"
+        "if __name__ == '__main__':\n"
+        "    print(score(), flush=True)\n"
+        "    old = list(math_answers._POOL._processes)\n"
+        "    os.kill(old[0], signal.SIGKILL)\n"
+        "    time.sleep(1)\n"
+        "    print(score(), score(), flush=True)\n"
+        "    print(' '.join(str(p) for p in old + list(math_answers._POOL._processes)), flush=True)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    lines = proc.stdout.splitlines()
+    workers = [int(p) for p in lines[2].split()] if len(lines) > 2 else []
+    left = _outliving(workers)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert lines[:2] == ["[1.0, 0.0]", "[1.0, 0.0] [1.0, 0.0]"]
+    assert "a scoring worker died; starting a fresh pool" in proc.stderr
+    assert workers and not left, f"math_verify workers {left} outlived their parent"
+
+
+def _outliving(pids: list[int], wait: float = 15) -> list[int]:
+    """Those of `pids` still alive (not zombies) after `wait` seconds; they are killed."""
+    import os
+    import signal
+    import time
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+
+    deadline = time.monotonic() + wait
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    return left
 
 
 def test_math_verify_workers_go_with_a_killed_parent(tmp_path):

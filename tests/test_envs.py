@@ -82,3 +82,23 @@ def test_arithmetic_env_reports_every_bad_argument():
 
     with pytest.raises(ValueError, match="num_tasks.*min_value.*ops"):
         ArithmeticEnv(num_tasks=0, min_value=3, max_value=1, ops="/")
+
+
+def test_the_rollout_snippet_in_docs_rl_renders_as_the_example_does():
+    """docs/rl.md's episode is examples/tool_use/env.py's, shortened: it must open the transcript
+    with the same arguments, the run's chat_template_kwargs among them, or a copy renders its
+    prompts unlike the run's other prompts."""
+    import ast
+    import re
+
+    from helpers import REPO
+
+    def opening_keywords(source: str) -> set[str]:
+        (call,) = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)
+                   and isinstance(n.func, ast.Attribute) and n.func.attr == "from_messages"]
+        return {k.arg for k in call.keywords}
+
+    (snippet,) = [b for b in re.findall(r"```python\n(.*?)```", (REPO / "docs/rl.md").read_text(), re.DOTALL)
+                  if "Transcript.from_messages" in b]
+    example = (REPO / "examples/tool_use/env.py").read_text()
+    assert opening_keywords(snippet) == opening_keywords(example) == {"tools", "chat_template_kwargs"}

@@ -75,6 +75,37 @@ def test_a_verifiers_taskset_trains_the_sampled_ids_and_scores_with_its_own_rewa
     assert metrics["reward"] == pytest.approx(metrics["reward/reversed_text"] + 0.5 * metrics["reward/short"], rel=1e-6)
 
 
+def test_an_eval_of_k_samples_seeds_each_episode_apart(vllm_server):
+    """samples_per_prompt=4 at temperature 1 with the default seed 0: each episode asks with its own
+    seed (0..3), so a task's four samples differ; one shared seed repeated one sample (pass@4 = pass@1)."""
+    class Recording:
+        def __init__(self, client):
+            self.client, self.seeds = client, []
+
+        async def tokenizer(self):
+            return await self.client.tokenizer()
+
+        async def generate(self, prompt_ids, **kwargs):
+            self.seeds.append((tuple(prompt_ids), kwargs["seed"]))
+            return await self.client.generate(prompt_ids, **kwargs)
+
+    env = VerifiersEnv("vf_reverse", num_examples=2, samples_per_prompt=4, temperature=1.0, max_tokens=12)
+
+    async def run():
+        async with vllm_server.client() as client:
+            recording = Recording(client)
+            eval_run = EvalRun(step=0, step_dir=vllm_server.model_dir, client=recording)
+            await env.evaluate(eval_run)
+            return recording.seeds, eval_run.traces
+
+    seeds, traces = asyncio.run(run())
+    by_prompt = {}
+    for prompt, seed in seeds:
+        by_prompt.setdefault(prompt, []).append(seed)
+    assert len(by_prompt) == 2 and all(sorted(s) == [0, 1, 2, 3] for s in by_prompt.values())
+    assert len({t["completion"] for t in traces[:4]}) > 1  # the tiny model's gibberish, sampled four ways
+
+
 def test_a_multi_turn_env_trains_every_model_turn_and_none_of_the_envs_words(vllm_server):
     env = VerifiersEnv("vf_reverse", env="vf_again", max_tokens=12)
     group, _, scored = play(vllm_server, env, env.tasks()[0], group_size=2)

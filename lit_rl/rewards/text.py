@@ -1,7 +1,7 @@
 """Rewards on the completion's text and length, in TRL's signature (`fn(prompts, completions, **columns)`).
 
 - `exact_match`: the completion's answer equals the row's after normalisation (case, spacing,
-  punctuation, articles, ``$``, ``\\boxed{}``, thousands separators);
+  punctuation, articles of answers of several words, ``$``, ``\\boxed{}``, thousands separators);
 - `regex_match`: a format reward, 1.0 when a pattern matches;
 - `length_penalty`: DAPO's soft over-length penalty on the sampled token count.
 """
@@ -32,12 +32,15 @@ def last_boxed(text: str) -> str | None:
 
 
 def normalize_answer(text: str) -> str:
-    """Lower case, no ``$``, no thousands separators, no articles, no punctuation but ``-``, ``/``
-    and a decimal point, single spaces, no trailing full stop: "The answer is $1,000$." and "answer
-    is 1000" normalise alike."""
-    text = _THOUSANDS.sub("", text.replace("$", "").lower())
-    text = _ARTICLES.sub(" ", text.translate(_PUNCT))
-    return " ".join(text.split()).rstrip(".").strip()
+    """Lower case, no ``$``, no thousands separators, other commas as spaces ("2,3" is "2, 3", not
+    23), no punctuation but ``-``, ``/`` and a decimal point, single spaces, no trailing full stop,
+    and no articles in an answer of several words (a lone "A" is a choice, not an article): "The
+    answer is $1,000$." and "answer is 1000" normalise alike."""
+    text = _THOUSANDS.sub("", text.replace("$", "").lower()).replace(",", " ")
+    words = text.translate(_PUNCT).split()
+    if len(words) > 1:
+        words = _ARTICLES.sub(" ", " ".join(words)).split()
+    return " ".join(words).rstrip(".").strip()
 
 
 def extract_answer(completion: str, pattern: str | None) -> str:
@@ -57,11 +60,18 @@ def exact_match(prompts, completions, answer_column: str = "answer", answer_patt
                 **columns) -> list[float]:
     """1.0 when the completion's answer (`extract_answer`) equals the row's `answer_column` after
     `normalize_answer`, else 0.0. `answer_pattern` is a regex whose first group is the answer, for
-    completions that end "Answer: 42" (``"Answer:\\s*(.+)"``)."""
+    completions that end "Answer: 42" (``"Answer:\\s*(.+)"``). An answer that normalises to
+    nothing matches nothing: an empty ``\\boxed{}`` is no answer."""
     if answer_column not in columns:
         raise KeyError(f"exact_match: no column {answer_column!r} (columns: {sorted(columns)})")
-    return [float(normalize_answer(extract_answer(completion_content(c), answer_pattern)) == normalize_answer(str(gold)))
+    return [float(_same_answer(extract_answer(completion_content(c), answer_pattern), str(gold)))
             for c, gold in zip(completions, columns[answer_column])]
+
+
+def _same_answer(answer: str, gold: str) -> bool:
+    """Equal after `normalize_answer`, the gold not empty: an empty gold would match empty replies."""
+    normalized = normalize_answer(gold)
+    return bool(normalized) and normalize_answer(answer) == normalized
 
 
 exact_match.required_columns = lambda answer_column="answer", **_: [answer_column]

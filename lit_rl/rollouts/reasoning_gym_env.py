@@ -17,10 +17,13 @@ Needs the optional `reasoning-gym` package (``pip install 'lit-rl[envs]'``).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from lit_rl.rewards.extras import require
 from lit_rl.rollouts.envs import Environment
+
+log = logging.getLogger(__name__)
 
 
 class ReasoningGymEnv(Environment):
@@ -53,6 +56,7 @@ class ReasoningGymEnv(Environment):
                              + (f" (similar: {close})" if close else f" ({len(DATASETS)} exist, e.g. {sorted(DATASETS)[:5]})"))
         self.dataset, self.size, self.task_seed, self.config = dataset, size, task_seed, config
         self.system_prompt, self.answer_tag = system_prompt, answer_tag
+        self._warned = False
         try:
             self._data = reasoning_gym.create_dataset(dataset, size=size, seed=task_seed, **(config or {}))
         except (TypeError, ValueError, AssertionError) as e:
@@ -79,7 +83,17 @@ class ReasoningGymEnv(Environment):
         return extract_answer(completion, tag_name=self.answer_tag)
 
     def reward(self, completion: str, task: dict) -> float:
-        return float(self._data.score_answer(self.answer(completion), task["entry"]))
+        """The dataset's score; 0.0 where its scorer raises on a malformed answer (some parse it
+        unguarded: prime_factorization's int("2 x 3")), which is a wrong answer, not a failed group."""
+        answer = self.answer(completion)
+        try:
+            return float(self._data.score_answer(answer, task["entry"]))
+        except Exception as e:
+            if not self._warned:
+                self._warned = True
+                log.warning("ReasoningGymEnv: %s's score_answer raised on the answer %.80r (%r); malformed answers "
+                            "score 0.0 (said once)", self.dataset, answer, e)
+            return 0.0
 
 
 def held_out_overlap(train: ReasoningGymEnv, held_out: ReasoningGymEnv) -> int:

@@ -50,7 +50,9 @@ class RewardFunctionError(ValueError):
 class RewardState:
     """What a TRL-form function gets as ``trainer_state`` (TRL hands its `TrainerState`, for
     rewards shaped by training's progress): ``global_step`` is the optimizer steps the weights
-    that sampled the group had taken (its policy version); in an eval, the checkpoint's step."""
+    that sampled the group had taken (its policy version); in an eval, the checkpoint's step.
+    TRL's `max_steps` and `epoch` are absent: the rollouts and the evaluator are not told the
+    trainer's `max_steps` (a reward that needs it takes it as a bound keyword argument)."""
 
     global_step: int = 0
 

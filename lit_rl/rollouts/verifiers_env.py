@@ -145,14 +145,13 @@ class VerifiersEnv(Environment):
 
     async def evaluate(self, run: EvalRun) -> dict[str, float]:
         """Every task played `samples_per_prompt` times with the eval sampling; mean reward (and
-        pass@k), and each named reward on its own."""
+        pass@k), and each named reward on its own. Episode k sends seed + k: its requests are its
+        own, and one shared seed would repeat one sample k times (pass@k would be pass@1)."""
         tokenizer = await run.client.tokenizer()  # the served model's, as `chat` renders with
-        s = self.sampling
-        sampling = {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
         tasks = self.tasks()
         results = await asyncio.gather(*(
-            asyncio.gather(*(self.episode(task, run.client, tokenizer, sampling, run.chat_template_kwargs)
-                             for _ in range(self.samples_per_prompt)))
+            asyncio.gather(*(self.episode(task, run.client, tokenizer, self._eval_sampling(k), run.chat_template_kwargs)
+                             for k in range(self.samples_per_prompt)))
             for task in tasks))
         scored = []
         for task, played in zip(tasks, results):
@@ -162,6 +161,12 @@ class VerifiersEnv(Environment):
             run.traces += [{"prompt": self.prompt(task), "completion": trace.last_reply, "reward": trace.reward,
                             "rewards": part} for trace, part in zip(traces, parts)]
         return eval_metrics(scored, self.samples_per_prompt)
+
+    def _eval_sampling(self, k: int) -> dict:
+        """The eval sampling of a task's episode k (its seed offset by k, as `LookupEnv`'s)."""
+        s = self.sampling
+        return {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
+                "seed": None if s.seed is None else s.seed + k}
 
 
 def _reward_parts(trace) -> dict[str, float]:
