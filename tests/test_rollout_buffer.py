@@ -328,6 +328,21 @@ def test_zero_advantage_groups_are_skipped_and_enforced_filters_zero_the_loss(vl
     batches = asyncio.run(collect(make_buffer(vllm_server, HalfConstantEnv(num_tasks=4), num_batches=2, filters=())))
     assert any(all(s.reward == 1.0 for s in g) for b in batches for g in groups_of(b, 2))
 
+    class ConstantEnv(GenEnv):
+        def reward_of(self, ids, task):
+            return 0.0
+
+    async def first_error(buffer):  # every group skipped: the batch never fills, which ends the run
+        async with buffer:
+            with pytest.raises(RolloutError) as err:
+                await asyncio.wait_for(buffer.next_batch(), 60)
+            return err.value, buffer.counters["skipped_zero_advantage"]
+
+    err, skipped = asyncio.run(first_error(make_buffer(vllm_server, ConstantEnv(), skip_zero_advantage=True,
+                                                       max_consecutive_failures=3)))
+    assert skipped == 3 * (4 // 2)  # three batches' worth of groups
+    assert "6 groups in a row had equal rewards (the last: reward 0.0)" in str(err) and "skip_zero_advantage" in str(err)
+
 
 def test_requests_per_minute_paces_rollout_starts(vllm_server):
     starts = []

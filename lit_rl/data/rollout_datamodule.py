@@ -112,7 +112,8 @@ class RolloutDataModule(L.LightningDataModule):
             temperature, top_p, top_k: training sampling (no seed: a fresh draw every request).
             scale: advantage scale: ``group`` (divide by the group's reward std), ``batch``
                 (the batch's std) or ``none`` (reward minus group mean only).
-            skip_zero_advantage: reject groups whose rewards are all equal (nothing to learn).
+            skip_zero_advantage: reject groups whose rewards are all equal (nothing to learn);
+                ``max_consecutive_failures`` batches of them in a row are fatal.
             enforce_filters: rollout filters whose hits get a zero loss (``gibberish``,
                 ``repetition``); both are always measured.
             num_retries: retries of a failed rollout before it is rejected (or raised).

@@ -163,7 +163,9 @@ class RolloutBuffer:
             rollout_timeout: seconds one rollout attempt may take (then it is a failure);
                 None: only the client's own timeouts apply.
             scale: advantage scale, "group", "batch" or "none" (`lit_rl.rollouts.advantages`).
-            skip_zero_advantage: reject (and count) a group whose rewards are all equal.
+            skip_zero_advantage: reject (and count) a group whose rewards are all equal. Fatal when
+                `max_consecutive_failures` batches' worth of groups in a row are skipped (verl's
+                `max_num_gen_batches`): every task then scores the same, and the batch would never fill.
             filters: rollout filters (`lit_rl.rollouts.filters`); None: gibberish and
                 repetition, measured but not enforced; () for none.
             requests_per_minute: start at most this many rollout attempts per minute (for
@@ -266,6 +268,7 @@ class RolloutBuffer:
         self._started = self._closed = False
         self._next_start = 0.0  # pacing: loop time of the next allowed rollout start
         self._consecutive_failures = 0
+        self._consecutive_skips = 0
         self._started_at = 0.0
         self._session_tokens = 0  # completion tokens generated since start (for tokens/s)
         self.counters = {"failed": 0, "skipped_zero_advantage": 0, "filtered": 0, "retries": 0, "reissued": 0,
@@ -548,10 +551,25 @@ class RolloutBuffer:
         if self.skip_zero_advantage and all_equal([s.reward for s in samples]):
             self._scheduler.reject(task_id)
             self.counters["skipped_zero_advantage"] += 1
+            self._consecutive_skips += 1
+            limit = self._skip_limit()
+            if limit is not None and self._consecutive_skips >= limit:
+                return self._fatal(RolloutError(
+                    f"{self._consecutive_skips} groups in a row had equal rewards (the last: reward {samples[0].reward}) "
+                    f"and were skipped (data.skip_zero_advantage), {self.max_consecutive_failures} batches' worth "
+                    "(max_consecutive_failures): no batch can fill. Check the reward on a few completions; raise "
+                    "temperature or group_size, or train without skip_zero_advantage"))
         else:
+            self._consecutive_skips = 0
             self._scheduler.complete(task_id, result.samples)  # may drop it if too old (drop_stale)
         self._fill()
         self._wake()
+
+    def _skip_limit(self) -> int | None:
+        """Skipped groups in a row that end the run: `max_consecutive_failures` batches of them."""
+        if self.max_consecutive_failures is None:
+            return None
+        return self.max_consecutive_failures * max(1, self.batch_size // self.group_size)
 
     def _check_group(self, group: Any, draw: int, index: int) -> list[Sample]:
         samples = group.samples if isinstance(group, SampleGroup) else group
