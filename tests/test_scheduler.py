@@ -115,6 +115,20 @@ def test_drop_stale_drops_counts_and_replaces():
     assert s.dropped_groups == 2 and s.pop_batch() is None
 
 
+@pytest.mark.parametrize("max_staleness, updates_per_batch", [(0, 1), (1, 2)])
+def test_drop_stale_spawns_nothing_the_next_batch_would_drop(max_staleness, updates_per_batch):
+    """Between a pop and the trainer's next version a task would start too old for every batch
+    still to come: nothing starts (it would run only to be dropped, holding a concurrency slot)."""
+    s = StalenessScheduler(batch_size=1, group_size=1, max_concurrency=4, max_staleness=max_staleness,
+                           drop_stale=True, updates_per_batch=updates_per_batch)
+    first = s.spawn()
+    s.complete(first, ["first"])
+    assert list(s.pop_batch()) == ["first"]
+    assert s.num_to_spawn() == 0  # version 0 can reach no batch after batch 0
+    s.set_version(updates_per_batch - max_staleness)  # the oldest version batch 1 takes
+    assert s.num_to_spawn() == 4
+
+
 def test_drop_stale_replaces_a_doomed_task_while_it_is_still_in_flight():
     s = StalenessScheduler(
         batch_size=1, group_size=1, max_concurrency=3, max_staleness=0, drop_stale=True, num_batches=2

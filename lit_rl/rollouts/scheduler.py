@@ -27,9 +27,10 @@ Two policies for keeping that bound:
   impossible to place within the bound; a batch waits for an in-flight group that
   must land in it. Stragglers therefore stall the pipeline instead of being wasted.
 - drop (`drop_stale=True`): spawn freely up to the concurrency and what the run
-  still needs; a group that finishes after its last batch was popped (or is still
-  waiting when it goes) is dropped, counted, and its budget returned so a
-  replacement is spawned. Batches are filled strictly in completion order.
+  still needs, while the current version can still reach a batch to come; a group that
+  finishes after its last batch was popped (or is still waiting when it goes) is
+  dropped, counted, and its budget returned so a replacement is spawned. Batches are
+  filled strictly in completion order.
 
 Peers, for orientation: prime-rl drops groups older than `max_off_policy_steps=8`,
 TRL's async GRPO defaults to `max_staleness=4`, AReaL to 0 (on-policy). Unlike a
@@ -189,6 +190,8 @@ class StalenessScheduler:
             return 0
         room = self._max_groups_in_flight - len(self._in_flight)
         if self.drop_stale:
+            if self._expired(self._version):  # too old for any batch still to come: it would be dropped
+                return 0
             if self.num_batches is not None:  # no more than the remaining batches need
                 live = len(self._ready) + sum(not self._expired(v) for v in self._in_flight.values())
                 room = min(room, (self.num_batches - self._next_batch) * self._groups_per_batch - live)
