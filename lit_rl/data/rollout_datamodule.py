@@ -47,7 +47,7 @@ from lit_rl.data.samples import SAMPLERS
 from lit_rl.data.step_builder import build_step
 from lit_rl.inference.runtime import InferenceRuntime
 from lit_rl.model_names import load_tokenizer
-from lit_rl.rollouts.buffer import RolloutBuffer
+from lit_rl.rollouts.buffer import RolloutBuffer, rollout_option_problems
 from lit_rl.rollouts.context import TrainSampling
 from lit_rl.rollouts.envs import Environment
 from lit_rl.rollouts.filters import GibberishFilter, RepetitionFilter
@@ -180,9 +180,11 @@ class RolloutDataModule(L.LightningDataModule):
         problems += self.mix.problems()
         if self.batch_timeout <= 0:
             problems.append(f"data.batch_timeout must be > 0, got {self.batch_timeout}")
-        limit = self.max_consecutive_failures
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            problems.append(f"data.max_consecutive_failures must be an int >= 1 or null, got {limit!r}")
+        # the buffer's own checks, here before any server starts (its batch shape is checked above)
+        problems += [f"data.{p}".replace(" or None", " or null") for p in rollout_option_problems(
+            batch_size=1, group_size=1, max_concurrency=self.max_concurrency, max_staleness=self.max_staleness,
+            num_retries=self.num_retries, on_failure=self.on_failure, scale=self.scale,
+            max_consecutive_failures=self.max_consecutive_failures, requests_per_minute=self.requests_per_minute)]
         if not isinstance(self.env, Environment) and not callable(getattr(self.env, "rollout", None)):
             problems.append(f"data.env must be an Environment, got {type(self.env).__name__}")
         elif isinstance(self.env, Environment):

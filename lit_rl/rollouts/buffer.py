@@ -52,7 +52,7 @@ from lit_rl.inference.client import InferenceClient, InferenceServerError
 from lit_rl.rollouts.advantages import SCALES, Scale, all_equal, with_group_advantages
 from lit_rl.rollouts.context import RolloutContext, TrainSampling
 from lit_rl.rollouts.filters import RolloutFilter, apply_filters, default_filters
-from lit_rl.rollouts.scheduler import Batch, StalenessScheduler
+from lit_rl.rollouts.scheduler import Batch, StalenessScheduler, scheduler_option_problems
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,34 @@ def sample_to_dict(sample: Sample) -> dict:
 
 def sample_from_dict(data: dict) -> Sample:
     return Sample(**data)
+
+
+def rollout_option_problems(*, batch_size, group_size, max_concurrency, max_staleness, num_batches=None,
+                            updates_per_batch=1, num_retries=2, retry_backoff=1.0, on_failure="reject",
+                            max_consecutive_failures=16, rollout_timeout=None, scale="group",
+                            requests_per_minute=None, seed=0) -> list[str]:
+    """What is wrong with a buffer's plain options, each problem starting with the option's name:
+    `RolloutBuffer` raises them, and `RolloutDataModule` reports them (as `data.<name>`) before
+    any server starts."""
+    problems = scheduler_option_problems(batch_size, group_size, max_concurrency, max_staleness, num_batches,
+                                         updates_per_batch)
+    if not _is_int(num_retries) or num_retries < 0:
+        problems.append(f"num_retries must be an int >= 0, got {num_retries!r}")
+    if not _is_number(retry_backoff) or retry_backoff < 0:
+        problems.append(f"retry_backoff must be a number >= 0, got {retry_backoff!r}")
+    if on_failure not in ON_FAILURE:
+        problems.append(f"on_failure must be one of {ON_FAILURE}, got {on_failure!r}")
+    if max_consecutive_failures is not None and (not _is_int(max_consecutive_failures) or max_consecutive_failures < 1):
+        problems.append(f"max_consecutive_failures must be an int >= 1 or None, got {max_consecutive_failures!r}")
+    if rollout_timeout is not None and (not _is_number(rollout_timeout) or rollout_timeout <= 0):
+        problems.append(f"rollout_timeout must be a number > 0 or None, got {rollout_timeout!r}")
+    if scale not in SCALES:
+        problems.append(f"scale must be one of {SCALES}, got {scale!r}")
+    if requests_per_minute is not None and (not _is_number(requests_per_minute) or requests_per_minute <= 0):
+        problems.append(f"requests_per_minute must be a number > 0 or None, got {requests_per_minute!r}")
+    if not _is_int(seed):
+        problems.append(f"seed must be an int, got {seed!r}")
+    return problems
 
 
 class RolloutBuffer:
@@ -194,42 +222,28 @@ class RolloutBuffer:
         """
         max_concurrency = batch_size if max_concurrency is None else max_concurrency
         filters = default_filters() if filters is None else tuple(filters)
-        problems = []
-        try:
+        problems = rollout_option_problems(
+            batch_size=batch_size, group_size=group_size, max_concurrency=max_concurrency, max_staleness=max_staleness,
+            num_batches=num_batches, updates_per_batch=updates_per_batch, num_retries=num_retries,
+            retry_backoff=retry_backoff, on_failure=on_failure, max_consecutive_failures=max_consecutive_failures,
+            rollout_timeout=rollout_timeout, scale=scale, requests_per_minute=requests_per_minute, seed=seed)
+        if not problems:
             self._scheduler = StalenessScheduler(
                 batch_size, group_size, max_concurrency, max_staleness, drop_stale=drop_stale, num_batches=num_batches,
                 updates_per_batch=updates_per_batch,
             )
-        except ValueError as e:
-            problems.append(str(e).removeprefix("StalenessScheduler: "))
         if not callable(getattr(env, "rollout", None)) or not callable(getattr(env, "tasks", None)):
             problems.append(f"env must have tasks() and async rollout(task, ctx), got {type(env).__name__}")
         if client is None:
             problems.append("client must be an InferenceClient or a factory returning one, got None")
         if sampling is not None and not isinstance(sampling, TrainSampling):
             problems.append(f"sampling must be a TrainSampling, got {type(sampling).__name__}")
-        if not _is_int(num_retries) or num_retries < 0:
-            problems.append(f"num_retries must be an int >= 0, got {num_retries!r}")
-        if not _is_number(retry_backoff) or retry_backoff < 0:
-            problems.append(f"retry_backoff must be a number >= 0, got {retry_backoff!r}")
-        if on_failure not in ON_FAILURE:
-            problems.append(f"on_failure must be one of {ON_FAILURE}, got {on_failure!r}")
-        if max_consecutive_failures is not None and (not _is_int(max_consecutive_failures) or max_consecutive_failures < 1):
-            problems.append(f"max_consecutive_failures must be an int >= 1 or None, got {max_consecutive_failures!r}")
-        if rollout_timeout is not None and (not _is_number(rollout_timeout) or rollout_timeout <= 0):
-            problems.append(f"rollout_timeout must be a number > 0 or None, got {rollout_timeout!r}")
         if source not in SAMPLERS:
             problems.append(f"source must be one of {SAMPLERS}, got {source!r}")
         if not _is_int(teacher_top_k) or teacher_top_k < 0 or (teacher_top_k and teacher is None):
             problems.append(f"teacher_top_k must be an int >= 0, and > 0 only with a teacher, got {teacher_top_k!r}")
         if source == "teacher" and teacher is not None:
             problems.append("source 'teacher' samples from the teacher itself; give no separate teacher to score them")
-        if scale not in SCALES:
-            problems.append(f"scale must be one of {SCALES}, got {scale!r}")
-        if requests_per_minute is not None and (not _is_number(requests_per_minute) or requests_per_minute <= 0):
-            problems.append(f"requests_per_minute must be a number > 0 or None, got {requests_per_minute!r}")
-        if not _is_int(seed):
-            problems.append(f"seed must be an int, got {seed!r}")
         for f in filters:
             if not callable(getattr(f, "check", None)) or not isinstance(getattr(f, "name", None), str):
                 problems.append(f"filters must have a name and check(sample), got {f!r}")

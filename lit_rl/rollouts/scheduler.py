@@ -44,6 +44,32 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def scheduler_option_problems(batch_size, group_size, max_concurrency, max_staleness, num_batches=None,
+                              updates_per_batch=1) -> list[str]:
+    """What is wrong with a scheduler's options, each problem starting with the option's name."""
+    problems, bad = [], set()
+    for name, value, lowest, optional in [
+        ("batch_size", batch_size, 1, False),
+        ("group_size", group_size, 1, False),
+        ("max_concurrency", max_concurrency, 1, False),
+        ("max_staleness", max_staleness, 0, True),
+        ("num_batches", num_batches, 1, True),
+        ("updates_per_batch", updates_per_batch, 1, False),
+    ]:
+        if value is None and optional:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
+            allowed = f"an int >= {lowest}" + (" or None" if optional else "")
+            problems.append(f"{name} must be {allowed}, got {value!r}")
+            bad.add(name)
+    if not bad & {"batch_size", "group_size"} and batch_size % group_size:
+        problems.append(
+            f"batch_size={batch_size} must be a multiple of group_size={group_size} "
+            "(groups are never split across batches)"
+        )
+    return problems
+
+
 class Batch(list):
     """The samples of one popped batch (a plain list, in group order) plus what staleness
     metrics need: `index` (batches popped before it), `first_step` (the optimizer step that
@@ -114,26 +140,8 @@ class StalenessScheduler:
         num_batches: int | None = None,
         updates_per_batch: int = 1,
     ) -> None:
-        problems, bad = [], set()
-        for name, value, lowest, optional in [
-            ("batch_size", batch_size, 1, False),
-            ("group_size", group_size, 1, False),
-            ("max_concurrency", max_concurrency, 1, False),
-            ("max_staleness", max_staleness, 0, True),
-            ("num_batches", num_batches, 1, True),
-            ("updates_per_batch", updates_per_batch, 1, False),
-        ]:
-            if value is None and optional:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
-                allowed = f"an int >= {lowest}" + (" or None" if optional else "")
-                problems.append(f"{name} must be {allowed}, got {value!r}")
-                bad.add(name)
-        if not bad & {"batch_size", "group_size"} and batch_size % group_size:
-            problems.append(
-                f"batch_size={batch_size} must be a multiple of group_size={group_size} "
-                "(groups are never split across batches)"
-            )
+        problems = scheduler_option_problems(batch_size, group_size, max_concurrency, max_staleness, num_batches,
+                                             updates_per_batch)
         if problems:
             raise ValueError("StalenessScheduler: " + "; ".join(problems))
         self.batch_size = batch_size
