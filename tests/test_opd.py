@@ -113,6 +113,26 @@ def test_opd_without_a_teacher_or_with_another_tokenizer_is_refused_before_any_s
     assert not (tmp_path / "b" / "vllm_teacher.log").exists() and not (tmp_path / "b" / "vllm.log").exists()
 
 
+def test_a_teacher_servers_tokenizer_may_be_named_for_the_check(vllm_server, data, tmp_path, lit_rl_main):
+    """A teacher at inference.teacher_base_url on another machine serves a directory this one does
+    not have: inference.teacher_tokenizer names its tokenizer for the check that it shares the
+    policy's (here one with an extra token, refused before the policy's server starts; the
+    server's own directory would have passed). Without a teacher_base_url it is refused."""
+    other = tmp_path / "other_tokenizer"
+    tok = AutoTokenizer.from_pretrained(TINY_MODEL)
+    tok.add_tokens(["<teacher_only>"])
+    tok.save_pretrained(other)
+    served = ("--inference.teacher_model", "null", "--inference.teacher_server", "{}",
+              "--inference.teacher_base_url", vllm_server.base_url, "--model.init_args.random_init", "true")
+    code, _, stderr = lit_rl_main(opd_args(tmp_path / "a", data, TINY_MODEL, 2, *served,
+                                           "--inference.teacher_tokenizer", str(other)))
+    assert code == 1 and f"the teacher {vllm_server.base_url} has another vocabulary" in stderr, stderr[-3000:]
+    assert not (tmp_path / "a" / "vllm.log").exists()
+    code, _, stderr = lit_rl_main(opd_args(tmp_path / "b", data, TINY_MODEL, 2, "--model.init_args.random_init", "true",
+                                           "--inference.teacher_tokenizer", str(other)))
+    assert code == 1 and "inference.teacher_tokenizer names the tokenizer of the server at" in stderr, stderr[-3000:]
+
+
 def test_bad_distillation_options_and_two_teachers_are_refused_before_any_server(data, tmp_path, lit_rl_main):
     student = ("--model.init_args.random_init", "true")
     code, _, stderr = lit_rl_main(opd_args(tmp_path / "a", data, TINY_MODEL, 2, *student, "--model.init_args.divergence",

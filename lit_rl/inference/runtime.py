@@ -58,7 +58,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_rl import stopping
-from lit_rl.errors import ConfigError
+from lit_rl.errors import ConfigError, UserError
 from lit_rl.inference.client import AdapterRefused, InferenceServerError
 from lit_rl.inference.endpoint import Endpoint, open_endpoint
 from lit_rl.inference.evaluator_process import EvaluatorProcess
@@ -109,6 +109,7 @@ class InferenceRuntime(L.Callback):
         teacher_base_url: str | None = None,
         teacher_api_key: str | None = None,
         teacher_server: dict | None = None,
+        teacher_tokenizer: str | None = None,
         sync_timeout: float = 300.0,
         logprobs_mode: str | None = None,
         max_server_restarts: int = 3,
@@ -130,6 +131,10 @@ class InferenceRuntime(L.Callback):
             teacher_base_url: an existing vLLM server of the teacher.
             teacher_api_key: that server's API key.
             teacher_server: options of the teacher's managed server (as `server`).
+            teacher_tokenizer: the tokenizer (hub name or local path) of the model served at
+                `teacher_base_url`, for the check that it shares the policy's; None: read from the
+                served model's directory, which works only when that directory is on this
+                machine or is a hub name (a teacher on another host usually needs this).
             sync_timeout: seconds one reload of the policy's server may take before the run fails.
             logprobs_mode: the ``--logprobs-mode`` the existing `base_url` server was started with,
                 which vLLM does not report: ``processed_logprobs`` lets a run sample at temperature
@@ -149,6 +154,7 @@ class InferenceRuntime(L.Callback):
         self.base_url, self.api_key, self.server = base_url, api_key, dict(server or {})
         self.teacher_model, self.teacher_base_url = teacher_model, teacher_base_url
         self.teacher_api_key, self.teacher_server = teacher_api_key, dict(teacher_server or {})
+        self.teacher_tokenizer = teacher_tokenizer
         self.logprobs_mode = logprobs_mode
         self.max_server_restarts, self.health_check_interval = max_server_restarts, health_check_interval
         problems = self.option_problems()
@@ -194,6 +200,9 @@ class InferenceRuntime(L.Callback):
         if self.teacher_base_url and self.teacher_model:
             problems.append("give inference.teacher_base_url (an existing server) or inference.teacher_model (lit-rl "
                             "starts a server for it), not both")
+        if self.teacher_tokenizer and not self.teacher_base_url:
+            problems.append("inference.teacher_tokenizer names the tokenizer of the server at inference.teacher_base_url, "
+                            "which is not set (a teacher_model's own tokenizer is read from it)")
         if self.logprobs_mode not in (None, "raw_logprobs", "processed_logprobs"):
             problems.append(f"inference.logprobs_mode must be raw_logprobs or processed_logprobs (the existing "
                             f"server's --logprobs-mode), got {self.logprobs_mode!r}")
@@ -322,8 +331,8 @@ class InferenceRuntime(L.Callback):
                            f"(log: {options['log_path']})")
         self.endpoints["teacher"] = open_endpoint(base_url=self.teacher_base_url, model=self.teacher_model,
                                                   api_key=self.teacher_api_key, interrupt=self._interrupted, **options)
-        if not self.teacher_model:  # only the server knows what it serves
-            self._check_teacher(tokenizer_mismatch(tokenizer, asyncio.run(self._served_tokenizer("teacher"))))
+        if not self.teacher_model:  # only the server (or teacher_tokenizer) knows what it serves
+            self._check_teacher(tokenizer_mismatch(tokenizer, self._teacher_tokenizer()))
         if self.teacher_base_url and self.teacher_top_k > VLLM_DEFAULT_MAX_LOGPROBS:
             self._check_teacher(asyncio.run(self._top_k_refusal()))
 
@@ -337,6 +346,20 @@ class InferenceRuntime(L.Callback):
     def _check_teacher(self, problem: str | None) -> None:
         if problem:
             raise ConfigError(f"InferenceRuntime: the teacher {self.teacher_model or self.teacher_base_url} {problem}")
+
+    def _teacher_tokenizer(self):
+        """The tokenizer of the server at `teacher_base_url`: `teacher_tokenizer`, else its served
+        model's (a local directory or a hub name), else a ConfigError saying what to set."""
+        from lit_rl.model_names import load_tokenizer
+
+        if self.teacher_tokenizer:
+            return load_tokenizer(self.teacher_tokenizer)
+        try:
+            return asyncio.run(self._served_tokenizer("teacher"))
+        except UserError as e:
+            raise ConfigError(f"InferenceRuntime: cannot check that the teacher at {self.teacher_base_url} shares the "
+                              f"policy's tokenizer: {e}. Set inference.teacher_tokenizer to its tokenizer (a hub name, "
+                              "or a path on this machine)") from e
 
     async def _served_tokenizer(self, role: str):
         async with self.endpoints[role].client() as client:
