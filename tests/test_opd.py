@@ -160,7 +160,18 @@ def test_bad_distillation_options_and_two_teachers_are_refused_before_any_server
         code, _, stderr = lit_rl_main(opd_args(tmp_path / run, data, TINY_MODEL, 2, *student,
                                                "--inference.teacher_model", str(teacher)))
         assert code == 1 and f"inference.teacher_model {teacher}{said}" in stderr, stderr
-    for run in "abcdefg":
+    # a reward mixed into the sampled-token advantage, with one completion per task: always 0
+    code, _, stderr = lit_rl_main(opd_args(tmp_path / "h", data, TINY_MODEL, 2, *student, "--model.init_args.divergence",
+                                           "sampled_reverse_kl", "--model.init_args.reward_weight", "0.5",
+                                           "--data.init_args.group_size", "1", "--inference.teacher_model", TINY_MODEL))
+    assert code == 1 and "with data.group_size 1 every such advantage is 0" in stderr, stderr[-3000:]
+    # GRPO with opd.yaml's teacher left in: a second server scoring every sample for nothing
+    grpo = ["fit", "--config", str(REPO / "examples/reverse_text/grpo.yaml"), "--model.init_args.model", TINY_MODEL,
+            "--data.init_args.env.init_args.path", data, "--trainer.default_root_dir", str(tmp_path / "i"),
+            "--inference.teacher_model", TINY_MODEL]
+    code, _, stderr = lit_rl_main(grpo)
+    assert code == 1 and "and GRPO would not use a score" in stderr, stderr[-3000:]
+    for run in "abcdefghi":
         assert not (tmp_path / run / "vllm.log").exists() and not (tmp_path / run / "vllm_teacher.log").exists()
 
 

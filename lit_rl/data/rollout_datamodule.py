@@ -242,6 +242,14 @@ class RolloutDataModule(L.LightningDataModule):
             problems.append("data.group_size 1: a completion's advantage is its reward minus the mean of its task's "
                             "group, so with one completion per task every advantage is 0 and the policy-gradient "
                             "loss learns nothing; set data.group_size >= 2")
+        if (self.source == "policy" and kind == "distillation" and self.group_size == 1
+                and getattr(self.trainer.lightning_module, "reward_weight", 0)):
+            problems.append("model.init_args.reward_weight mixes the group's reward advantage into OPD's, and with "
+                            "data.group_size 1 every such advantage is 0 (reward minus its group's mean): set "
+                            "data.group_size >= 2, or reward_weight 0")
+        if self.source == "policy" and kind == "policy_gradient" and self.runtime.has_teacher:
+            problems.append("a teacher (inference.teacher_model or inference.teacher_base_url) scores every sample for "
+                            "OPD, and GRPO would not use a score: remove it, or train lit_rl.modules.OPD")
         limit = getattr(self.trainer.lightning_module, "max_completion_length", None)
         if getattr(self.trainer.lightning_module, "loss_type", None) == "dr_grpo" and limit and limit < self.max_tokens:
             problems.append(f"model.init_args.max_completion_length ({limit}) is below data.max_tokens ({self.max_tokens}): "
