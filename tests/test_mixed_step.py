@@ -146,6 +146,10 @@ def test_split_follows_the_weights_in_whole_groups_and_rank_shares():
                             Part("b", "cross_entropy", 1, 2)]) == [16, 24, 24]
     # 40 x 0.5 = 20 is not whole groups of 8: a split that is
     assert split_batch(40, [Part("policy", "policy_gradient", 1, 8), REPLAY]) == [16, 24]
+    # 12 x 0.5 = 6 each: rounding every part down leaves the policy no group, but 8 + 4 is closest
+    assert split_batch(12, [Part("policy", "policy_gradient", 1, 8), REPLAY]) == [8, 4]
+    # 1 and 2 ideal: 2 + 1 and 0 + 3 are as close; the split that gives every part samples wins
+    assert split_batch(3, [Part("policy", "policy_gradient", 1, 2), Part("replay", "cross_entropy", 2, 1)]) == [2, 1]
     with pytest.raises(ValueError, match="gives \\['replay'\\] no samples"):
         split_batch(16, [Part("policy", "policy_gradient", 100, 8), REPLAY])
     with pytest.raises(ValueError, match="left over"):

@@ -44,29 +44,38 @@ def part_unit(group_size: int, world_size: int) -> int:
 
 
 def split_batch(batch_size: int, parts: Sequence[Part]) -> list[int]:
-    """Samples each part gives every batch: as close to `batch_size x weight / total` as whole
-    units allow (largest remainders first), summing to `batch_size`. Raises ValueError naming
-    the batch size and the parts when no such split exists or a part would get nothing."""
+    """Samples each part gives every batch: the whole units summing to `batch_size` closest to
+    `batch_size x weight / total` (least squares: a part rounds up where rounding every part down
+    would leave no whole unit to fill the rest). Raises ValueError naming the batch size and the
+    parts when no such split exists or the closest one gives a part nothing."""
     total = sum(p.weight for p in parts)
     ideal = [batch_size * p.weight / total for p in parts]
-    counts = [int(x // p.unit) * p.unit for p, x in zip(parts, ideal)]
-    left = batch_size - sum(counts)
-    while left > 0:
-        fits = [i for i, p in enumerate(parts) if p.unit <= left]
-        if not fits:
-            break
-        i = max(fits, key=lambda j: (ideal[j] - counts[j]) / parts[j].unit)
-        counts[i] += parts[i].unit
-        left -= parts[i].unit
     described = ", ".join(f"{p.name} (weight {p.weight:g}, in multiples of {p.unit})" for p in parts)
-    if left:
-        raise ValueError(f"data.batch_size {batch_size} cannot be split between {described}: "
-                         f"{left} sample(s) left over; choose a batch size that these multiples add up to")
+    counts = _closest_split(batch_size, parts, ideal)
+    if counts is None:
+        raise ValueError(f"data.batch_size {batch_size} cannot be split between {described}: whole multiples leave "
+                         "samples left over; choose a batch size that these multiples add up to")
     empty = [p.name for p, c in zip(parts, counts) if c == 0]
     if empty:
         raise ValueError(f"data.batch_size {batch_size} split between {described} gives {empty} no samples: "
                          "raise their weight or the batch size")
     return counts
+
+
+def _closest_split(batch_size: int, parts: Sequence[Part], ideal: Sequence[float]) -> list[int] | None:
+    """The counts (multiples of each part's unit) that sum to `batch_size` with the least squared
+    distance to `ideal` (of two as close, the one with fewer empty parts), or None: a search over
+    running sums."""
+    best: dict[int, tuple[float, int, list[int]]] = {0: (0.0, 0, [])}
+    for part, x in zip(parts, ideal):
+        grown: dict[int, tuple[float, int, list[int]]] = {}
+        for so_far, (cost, empty, counts) in best.items():
+            for count in range(0, batch_size - so_far + 1, part.unit):
+                key, option = so_far + count, (round(cost + (count - x) ** 2, 9), empty + (count == 0), counts + [count])
+                if key not in grown or option[:2] < grown[key][:2]:
+                    grown[key] = option
+        best = grown
+    return best[batch_size][2] if batch_size in best else None
 
 
 def describe_split(parts: Sequence[Part], counts: Sequence[int]) -> str:
