@@ -98,6 +98,13 @@ def test_staleness_bound_holds_and_a_resume_continues_versions_and_trains_no_sam
         assert float(after["train/mismatch_kl"]) == pytest.approx(float(before["train/mismatch_kl"]), rel=1e-6)
         assert float(after["train/entropy"]) != float(before["train/entropy"])  # other weights, same samples
         return
+    # a resume with another batch shape is refused by its flags before anything is trained or written
+    ckpt = root / "checkpoints" / "last.ckpt"
+    before = ckpt.stat().st_mtime_ns
+    third = run(grpo_args(root, data, str(vllm_server.model_dir), 5, *common, "--ckpt_path", "last",
+                          "--data.init_args.group_size", "2"))
+    assert third.returncode == 1 and "data.group_size: saved 4, this run has 2" in third.stderr, third.stderr[-4000:]
+    assert ckpt.stat().st_mtime_ns == before and len(trained(root)) == 4
     assert min(x["policy_version"] for x in steps[3]["samples"]) >= 2  # versions continued, not restarted at 0
     assert max(float(r["rollout/policy_version"]) for r in runs[1]) >= 2
     if max_staleness == 0:  # synchronous: every batch was sampled by exactly the weights it trains,

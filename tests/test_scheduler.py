@@ -224,6 +224,9 @@ def test_state_dict_round_trip_mid_run():
     assert popped[:2] == group(c, 2) and len(popped) == len(set(popped)) == 8
     with pytest.raises(ValueError, match="max_staleness"):
         StalenessScheduler(**{**kwargs, "max_staleness": 2}).load_state_dict(state)
+    StalenessScheduler(**{**kwargs, "num_batches": 2}).load_state_dict(state)  # a shorter run: still after batch 0
+    with pytest.raises(ValueError, match="num_batches: 3 batches were drawn already, scheduler has 2"):
+        StalenessScheduler(**{**kwargs, "num_batches": 2}).load_state_dict({**state, "next_batch": 3})
 
 
 def test_finite_run_ends_exactly():

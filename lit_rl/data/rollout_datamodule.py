@@ -45,12 +45,14 @@ from lit_rl.data.replay import ReplayMix, ReplaySource
 from lit_rl.data.rollout_traces import rewind_traces, rollout_stats, trace_batch, trace_share
 from lit_rl.data.samples import SAMPLERS
 from lit_rl.data.step_builder import build_step
+from lit_rl.errors import ConfigError
 from lit_rl.inference.runtime import InferenceRuntime
 from lit_rl.model_names import load_tokenizer
 from lit_rl.rollouts.buffer import RolloutBuffer, rollout_option_problems
 from lit_rl.rollouts.context import TrainSampling
 from lit_rl.rollouts.envs import Environment
 from lit_rl.rollouts.filters import GibberishFilter, RepetitionFilter
+from lit_rl.rollouts.scheduler import StalenessScheduler
 from lit_rl.rollouts.threaded import Interrupted, ThreadedRolloutBuffer
 from lit_rl.run_seed import order_seed
 from lit_rl.sampling_process import RAW, SamplingProcess
@@ -519,8 +521,28 @@ class RolloutDataModule(L.LightningDataModule):
 
     def load_state_dict(self, state: dict) -> None:
         self._saved_state = state.get("buffer")
+        if self._saved_state is not None and self.trainer is not None:  # before the first draw starts the rollouts
+            if problems := self._resume_problems(self._saved_state["scheduler"]):
+                raise ConfigError("RolloutDataModule: the checkpoint's rollouts cannot continue with this run's "
+                                  "settings: " + "; ".join(problems) + " (resume with the settings the run started with)")
         self.mix.load_state_dict(state.get("replay"))
         self._held = HeldBatch.from_state(state["held_batch"]) if "held_batch" in state else None
+
+
+    def _resume_problems(self, saved: dict) -> list[str]:
+        """What of the rollouts' saved state this run's options cannot continue, by their flags."""
+        scheduler = StalenessScheduler(
+            self.mix.rollout_count(self.batch_size), self.group_size, self.max_concurrency,
+            self.max_staleness if self.source == "policy" else 1, drop_stale=self.drop_stale,
+            num_batches=self._num_batches(), updates_per_batch=self.updates_per_batch)
+        # (a max_steps below the batches drawn is left out: such a resume ends at once, as an SFT run's)
+        return [f"{RESUMED_FLAGS[name]}: {detail.replace('scheduler has', 'this run has')}"
+                for name, detail in (p.split(": ", 1) for p in scheduler.resume_problems(saved)) if name != "num_batches"]
+
+
+#: the scheduler's saved options by the flag that sets them
+RESUMED_FLAGS = {"batch_size": "data.batch_size", "group_size": "data.group_size", "max_staleness": "data.max_staleness",
+                 "drop_stale": "data.drop_stale", "updates_per_batch": "model.init_args.updates_per_batch"}
 
 
 class _StepNumbers(torch.utils.data.IterableDataset):

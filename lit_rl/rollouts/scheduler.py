@@ -308,17 +308,9 @@ class StalenessScheduler:
         """Restore a saved state. Finished-but-unpopped groups come back as they were;
         tasks that were in flight at save time are forgotten and their budget returned,
         so replacements get spawned (their ids are unknown afterwards). `max_concurrency`
-        may change, and `num_batches` may grow to extend a run; the rest must match (a state
-        from before `updates_per_batch` existed had 1)."""
-        state = {"updates_per_batch": 1, **state}
-        problems = [
-            f"{key}: saved {state[key]!r}, scheduler has {getattr(self, key)!r}"
-            for key in ("batch_size", "group_size", "max_staleness", "drop_stale", "updates_per_batch")
-            if state[key] != getattr(self, key)
-        ]
-        saved_n = state["num_batches"]
-        if self.num_batches is not None and (saved_n is None or saved_n > self.num_batches):
-            problems.append(f"num_batches: saved {saved_n!r}, scheduler has {self.num_batches} (it may only grow)")
+        may change, and `num_batches` to any count not below the batches already popped; the
+        rest must match (a state from before `updates_per_batch` existed had 1)."""
+        problems = self.resume_problems(state)
         if problems:
             raise ValueError("load_state_dict: state does not fit this scheduler: " + "; ".join(problems))
         self._version = state["version"]
@@ -329,6 +321,20 @@ class StalenessScheduler:
         self.spawned_tasks = state["spawned_tasks"]
         self.rejected_tasks = state["rejected_tasks"]
         self.dropped_groups = state["dropped_groups"]
+
+    def resume_problems(self, state: dict[str, Any]) -> list[str]:
+        """Why a saved state cannot continue under this scheduler's options, each problem starting
+        with the option's name (empty when it can)."""
+        state = {"updates_per_batch": 1, **state}
+        problems = [
+            f"{key}: saved {state[key]!r}, scheduler has {getattr(self, key)!r}"
+            for key in ("batch_size", "group_size", "max_staleness", "drop_stale", "updates_per_batch")
+            if state[key] != getattr(self, key)
+        ]
+        if self.num_batches is not None and state["next_batch"] > self.num_batches:
+            problems.append(f"num_batches: {state['next_batch']} batches were drawn already, scheduler has "
+                            f"{self.num_batches}")
+        return problems
 
     # -- internals ---------------------------------------------------------------------
 
