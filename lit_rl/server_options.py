@@ -29,8 +29,8 @@ def server_option_problems(options: dict, where: str, also: Iterable[str] = ()) 
     """What is wrong with `options` for a server lit-rl starts, one line per option, each starting
     with where they came from and the option's name (`where`: "inference.server.", "--server "): a
     name `VLLMServer` takes no parameter for (with the closest one it takes), one lit-rl sets
-    itself, or `extra_args` as one string. `also`: names the caller accepts besides (the
-    evaluator's `num_infer_gpus`)."""
+    itself, or `extra_args` as one string or naming a flag `VLLMServer` passes vLLM itself. `also`:
+    names the caller accepts besides (the evaluator's `num_infer_gpus`)."""
     from lit_rl.inference.server import VLLMServer, extra_args_problem
 
     parameters = inspect.signature(VLLMServer.__init__).parameters

@@ -202,8 +202,12 @@ def test_a_dataset_env_with_a_missing_column_and_a_bad_reward_is_one_message(tmp
     err = user_error(["fit", "--config", str(REPO / "examples/reverse_text/grpo.yaml"), "--model.init_args.model",
                       "lit-rl:tiny_qwen3", "--trainer.default_root_dir", str(tmp_path / "run"),
                       "--data.init_args.env", json.dumps(env), "--data.init_args.max_consecutive_failures", "0",
-                      "--data.init_args.packing", "packed", "--data.init_args.pack_length", "9000"], capsys)
-    assert "RolloutDataModule: 3 problem(s)" in err and "Errors:" not in err, err
+                      "--data.init_args.packing", "packed", "--data.init_args.pack_length", "9000",
+                      "--data.init_args.scale", "grup", "--data.init_args.on_failure", "retry"], capsys)
+    assert "RolloutDataModule: 5 problem(s)" in err and "Errors:" not in err, err
+    # the rollout buffer's own options, named as flags, before any server starts
+    assert "data.scale must be one of ('group', 'batch', 'none'), got 'grup'" in err, err
+    assert "data.on_failure must be one of ('reject', 'raise'), got 'retry'" in err, err
     assert "data.pack_length (9000) exceeds data.micro_batch_tokens (" in err, err
     assert "data.env (DatasetEnv): DatasetEnv rewards[0]: cannot import module 'no_such_module'" in err, err
     assert "data.max_consecutive_failures must be an int >= 1 or null, got 0" in err, err
@@ -378,3 +382,29 @@ def test_eval_chat_template_variables_that_lit_rl_sets_itself_are_refused_before
                       "--env-args", json.dumps({"path": data}), "--chat-template-kwargs", '{"tools": []}'], capsys)
     assert "--chat-template-kwargs: chat_template_kwargs may not set ['tools']" in err, err
     assert not (tmp_path / "run" / "evals").exists()
+
+
+def test_serve_names_the_flag_of_a_value_the_server_refuses(capsys):
+    """Before: `--tensor-parallel-size 0` and `--gpu-memory-utilization 2` were a ValueError's
+    traceback naming VLLMServer's parameter, `--port 70000` an OverflowError's, and `-- --host
+    0.0.0.0` bound every interface without the warning (vLLM takes the last --host)."""
+    model = ["serve", "--model", "lit-rl:tiny_qwen3"]
+    for given, said in ((["--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1, got 0"),
+                        (["--gpu-memory-utilization", "2"], "--gpu-memory-utilization must be in (0, 1], got 2.0"),
+                        (["--port", "70000"], "--port must be in 1-65535"),
+                        (["--", "--host", "0.0.0.0"], ("the options passed on to vLLM must not set --host: lit-rl "
+                                                       "passes it to vLLM itself, and the last one given wins, "
+                                                       "unchecked; use the --host option instead"))):
+        err = user_error([*model, *given], capsys)
+        assert f"lit-rl serve: error: {said}" in err, err
+
+
+def test_evaluate_refuses_an_api_key_variable_that_is_not_set(tmp_path, capsys, monkeypatch):
+    """Before: `--api-key-env NAME` with NAME unset sent no key, and every eval failed on a 401."""
+    weights = tmp_path / "run" / "weights"
+    (weights / "step_0").mkdir(parents=True)
+    (weights / "step_0" / "STABLE").touch()
+    monkeypatch.delenv("NO_SUCH_KEY_VAR", raising=False)
+    err = user_error(["evaluate", "--weights-dir", str(weights), "--env", "lit_rl.rollouts.ReverseTextEnv",
+                      "--base-url", "http://127.0.0.1:9/v1", "--api-key-env", "NO_SUCH_KEY_VAR"], capsys)
+    assert "--api-key-env NO_SUCH_KEY_VAR: the environment variable NO_SUCH_KEY_VAR is not set or is empty" in err, err

@@ -14,14 +14,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import json
 import os
 import signal
+import socket
 import ssl
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -621,3 +624,158 @@ def test_a_one_device_cpu_server_gets_the_worker_in_its_engine_and_vllms_thread_
                    {"extra_args": ["--distributed-executor-backend=mp"]}, {"env": {ONE_PROCESS: "1"}}):
         assert environment(**chosen).get(ONE_PROCESS) == chosen.get("env", {}).get(ONE_PROCESS), chosen
         assert FORK_ENV not in environment(**chosen), chosen  # vLLM's own layout: started as vLLM starts it
+
+
+def test_port_0_picks_a_free_port_and_one_outside_1_65535_is_refused(tmp_path):
+    """Before: port 0 passed the free-port check, vLLM bound a port of its choosing and lit-rl
+    polled `:0` for the whole startup_timeout; 70000 was an uncaught OverflowError from the check."""
+    with FakeServer("fake", port=0, log_path=tmp_path / "log") as server:
+        assert 0 < server.port < 65536 and server.root_url == f"http://127.0.0.1:{server.port}"
+        cmd = VLLMServer.command(server)
+        assert cmd[cmd.index("--port") + 1] == str(server.port)
+    for port in (70000, -1):
+        with pytest.raises(ValueError, match=rf"port must be in 1-65535 \(None or 0: a free one\), got {port}"):
+            VLLMServer("m", port=port)
+
+
+def test_sigterm_stops_the_servers_when_the_first_was_started_from_a_thread(tmp_path):
+    """Before: the first start marked the hooks installed before its main-thread check, so a first
+    server started from a thread left SIGTERM unhooked for good: the process died of it without
+    stopping its servers (their socket directories left behind, as after a SIGKILL)."""
+    code = "import sys, threading, time\nfrom pathlib import Path\nfrom lit_rl.inference.server import VLLMServer\n"
+    code += inspect.getsource(FakeServer) + textwrap.dedent(f"""
+        started = threading.Event()
+
+        def in_a_thread():  # which lives as long as its server (PR_SET_PDEATHSIG follows the thread)
+            s = FakeServer("fake", log_path={str(tmp_path / 'a.log')!r}, stop_timeout=5).start()
+            print(s.proc.pid, s._ipc_dir, flush=True)
+            started.set()
+            time.sleep(600)
+
+        threading.Thread(target=in_a_thread, daemon=True).start()
+        started.wait()
+        s = FakeServer("fake", log_path={str(tmp_path / 'b.log')!r}, stop_timeout=5).start()
+        print(s.proc.pid, s._ipc_dir, flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    servers = [parent.stdout.readline().split() for _ in range(2)]
+    parent.send_signal(signal.SIGTERM)
+    parent.wait(timeout=30)
+    for pgid, _ in servers:
+        for pid in group_members(int(pgid)):  # never leave them behind, even when the test fails
+            os.kill(int(pid), signal.SIGKILL)
+    assert parent.returncode == -signal.SIGTERM  # stopped its servers, then died of SIGTERM as before
+    assert [sockets for _, sockets in servers if Path(sockets).exists()] == []  # stopped, not just killed
+
+
+class Unhelpful:
+    """A local HTTP server on a free port that holds every connection unanswered ("hang"), closes it
+    at once ("drop") or answers 503 ("503"); `accepted` counts the connections."""
+
+    def __init__(self, how: str):
+        self.how, self.conns = how, []
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            if self.how == "503":
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            if self.how != "hang":
+                conn.close()
+
+    @property
+    def accepted(self) -> int:
+        return len(self.conns)
+
+    def close(self):
+        self.sock.close()
+        for conn in self.conns:
+            conn.close()
+
+
+def test_a_request_that_times_out_is_not_retried_unlike_a_dropped_connection_or_a_5xx():
+    """Before: the openai SDK retried a timed-out request like a connection error, so a wedged server
+    held each call for (max_retries + 1) x timeout, 4 x 600 s with the defaults."""
+
+    async def call(server: Unhelpful) -> tuple[float, str]:
+        async with InferenceClient(f"http://127.0.0.1:{server.port}/v1", model="m", timeout=1.0, max_retries=2,
+                                   batch_prompts=False) as client:
+            began = time.monotonic()
+            with pytest.raises(InferenceServerError) as err:
+                await client.generate([1, 2, 3], max_tokens=4)
+            return time.monotonic() - began, str(err.value)
+
+    for how, tries, said in (("hang", 1, "no answer from"), ("drop", 3, "unreachable after 2 retries"),
+                             ("503", 3, "server error 503")):
+        server = Unhelpful(how)
+        try:
+            took, message = run(call(server))
+        finally:
+            server.close()
+        assert said in message and server.accepted == tries, (how, server.accepted, message)
+    assert took > 1.0  # the retries' backoff (0.5 s, 1 s)
+
+
+def test_ctrl_c_stops_evaluate_at_once_while_it_waits_for_a_checkpoint_or_its_server(tmp_path):
+    """One Ctrl-C (SIGINT to the process group, as a terminal sends it) ends `lit-rl evaluate` with
+    exit 130 and no traceback, and stops the server it was starting. Before: the waits for the first
+    checkpoint and for the server's health were blocking loops inside asyncio.run, which turns a
+    Ctrl-C into a task cancel that nothing noticed until the next await (the first Ctrl-C ignored,
+    the second a KeyboardInterrupt traceback with exit 1)."""
+    import psutil
+
+    def evaluate(run_dir: Path, *more: str) -> subprocess.Popen:
+        env_args = json.dumps({"num_examples": 2, "path": str(Path("examples/reverse_text/data/test.jsonl").resolve())})
+        return subprocess.Popen(
+            [sys.executable, "-m", "lit_rl.cli", "evaluate", "--run-dir", str(run_dir), "--env",
+             "lit_rl.rollouts.ReverseTextEnv", "--env-args", env_args, "--log-dir", str(run_dir / "evals"), *more],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+    def ctrl_c(proc: subprocess.Popen, when: Callable[[], bool]) -> None:
+        """Ctrl-C a second after `when()` (in the wait it announces); exit 130 at once, no traceback."""
+        deadline = time.monotonic() + 120
+        while not when():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.2)
+        time.sleep(1.0)
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            out = proc.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"still running 30 s after Ctrl-C: {proc.communicate()[0][-3000:]}")
+        assert proc.returncode == 130 and "Traceback" not in out and "stopped (Ctrl-C)" in out, out[-3000:]
+
+    waiting = tmp_path / "waiting"  # --follow, before any checkpoint: evals/ is made just before the wait
+    ctrl_c(evaluate(waiting, "--follow"), (waiting / "evals").is_dir)
+
+    starting = tmp_path / "starting"
+    write_tiny_checkpoint(starting / "weights" / "step_0", seed=0)
+    proc = evaluate(starting, "--server", json.dumps({"dtype": "float32", "enforce_eager": True}))
+    servers = []
+
+    def server_starting() -> bool:  # its vLLM server runs (in a session of its own) and has begun to log
+        servers[:] = [c.pid for c in psutil.Process(proc.pid).children() if os.getpgid(c.pid) == c.pid]
+        log = starting / "evals" / "vllm.log"
+        return bool(servers) and log.is_file() and log.stat().st_size > 0
+
+    try:
+        ctrl_c(proc, server_starting)
+        deadline = time.monotonic() + 10
+        while group_members(servers[0]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert group_members(servers[0]) == []
+    finally:
+        for pgid in servers:
+            for pid in group_members(pgid):
+                os.kill(int(pid), signal.SIGKILL)

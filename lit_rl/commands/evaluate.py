@@ -149,9 +149,23 @@ def with_gpu_split(server_kwargs: dict) -> dict:
     return {**server_kwargs, **plan.server_kwargs()}
 
 
-async def run(args: argparse.Namespace) -> None:
+def api_key(args: argparse.Namespace) -> str | None:
+    """The server's key, from the variable `--api-key-env` names (never on the process list). One
+    unset or empty is refused before anything starts: no key was sent, and every eval failed on
+    the server's 401."""
+    if not args.api_key_env:
+        return None
+    if not (key := os.environ.get(args.api_key_env)):
+        raise UserError(f"--api-key-env {args.api_key_env}: the environment variable {args.api_key_env} is not set "
+                        "or is empty; set it to the server's API key")
+    return key
+
+
+def run(args: argparse.Namespace) -> None:
+    """Check, wait for the first checkpoint, start the server, then evaluate in an event loop. The
+    waits before run outside the loop, where Ctrl-C raises KeyboardInterrupt at once: inside it,
+    a Ctrl-C only cancelled the task, which nothing blocking noticed until the server was up."""
     from lit_rl.inference.endpoint import open_endpoint
-    from lit_rl.inference.restarts import ServerRestarts
 
     root = run_root(args)
     plan = load_plan(args, root)
@@ -166,6 +180,7 @@ async def run(args: argparse.Namespace) -> None:
         if problems := [problem for env in envs if (problem := env.tasks_problem())]:  # rows read, a bad one named
             raise UserError("--env / --env-args or the plan's environments: " + "; ".join(problems))
     server_kwargs = with_gpu_split(checked_server_options(args.server, None if args.base_url else envs))
+    key = api_key(args)
     logger = EvalLogger(args.log_dir or evals_dir(root), args.wandb)
     model = None
     if args.base_url and not args.follow:
@@ -176,25 +191,32 @@ async def run(args: argparse.Namespace) -> None:
         if is_adapter_dir(model):  # LoRA checkpoints: serve their base once, then each step's adapter by name
             model, rank = adapter_base(model)
             server_kwargs = lora_server_options(server_kwargs, rank)
-    api_key = os.environ.get(args.api_key_env) if args.api_key_env else None  # never on the process list
     with contextlib.ExitStack() as stack:
         if model is not None and Path(model).resolve().is_relative_to(root.resolve()):
             # retention keeps the run's directory its server starts (and restarts) on
             stack.enter_context(lease(model, f"evaluator-server-{os.getpid()}"))
-        endpoint = stack.enter_context(open_endpoint(base_url=args.base_url, model=model, api_key=api_key,
+        endpoint = stack.enter_context(open_endpoint(base_url=args.base_url, model=model, api_key=key,
                                                      allowed_root=root, **({} if args.base_url else server_kwargs)))
-        restarts = ServerRestarts(args.max_server_restarts, None, servers=lambda: {"evaluator": endpoint.server},
-                                  after_start=lambda role: "its model; the step is reloaded next",
-                                  interrupted=lambda: False)
-        async with endpoint.client() as client:
-            evaluator = Evaluator(root, plan, client, logger, standalone=not args.follow, parent_pid=args.parent_pid,
-                                  restarts=restarts, envs=envs)
-            try:
-                await evaluator.run()
-            finally:
-                logger.close()
+        evaluator = asyncio.run(evaluate(args, root, plan, envs, logger, endpoint))
     if not args.follow:
         say_outcome(evaluator, root)
+
+
+async def evaluate(args: argparse.Namespace, root: Path, plan: EvalPlan, envs: list | None, logger: EvalLogger,
+                   endpoint) -> Evaluator:
+    from lit_rl.inference.restarts import ServerRestarts
+
+    restarts = ServerRestarts(args.max_server_restarts, None, servers=lambda: {"evaluator": endpoint.server},
+                              after_start=lambda role: "its model; the step is reloaded next",
+                              interrupted=lambda: False)
+    async with endpoint.client() as client:
+        evaluator = Evaluator(root, plan, client, logger, standalone=not args.follow, parent_pid=args.parent_pid,
+                              restarts=restarts, envs=envs)
+        try:
+            await evaluator.run()
+        finally:
+            logger.close()
+    return evaluator
 
 
 def say_outcome(evaluator: Evaluator, root: Path) -> None:
@@ -226,4 +248,8 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     args = parse(argv)
     share_cores_with_training(args)
-    asyncio.run(run(args))
+    try:
+        run(args)
+    except KeyboardInterrupt:  # Ctrl-C (the first: asyncio.run turns its cancel back into this); servers stopped
+        print("lit-rl evaluate: stopped (Ctrl-C)", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import time
+from collections.abc import Iterable
 
 from lit_rl.errors import UserError
 from lit_rl.model_names import local_model_problem
@@ -45,12 +47,19 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, [a for a in rest if a != "--"]
 
 
-def main(argv: list[str] | None = None) -> None:
-    from lit_rl.inference.server import ServerStartError, VLLMServer
+def flag_names(message: str, options: Iterable[str]) -> str:
+    """A refusal of VLLMServer's (or plan_gpus's) with the flags of this command in it: each flag is
+    the name of the parameter it sets, with dashes (`tensor_parallel_size` -> `--tensor-parallel-size`),
+    and `extra_args` are the options this command passes on to vLLM."""
+    names = "|".join(sorted(options, key=len, reverse=True))
+    message = re.sub(rf"(?<![-\w.])({names})\b", lambda m: "--" + m[1].replace("_", "-"), message)
+    return message.replace("extra_args", "the options passed on to vLLM")
 
-    args, extra = parse(sys.argv[1:] if argv is None else argv)
-    if problem := local_model_problem(args.model):
-        raise UserError(f"--model {args.model}{problem}")
+
+def vllm_server(args: argparse.Namespace, extra: list[str]):
+    """The VLLMServer the flags describe (not started)."""
+    from lit_rl.inference.server import VLLMServer
+
     if args.num_infer_gpus is not None:
         from lit_rl.inference.gpus import plan_gpus, visible_gpus
 
@@ -60,14 +69,26 @@ def main(argv: list[str] | None = None) -> None:
         args.devices, args.data_parallel_size = ",".join(plan.infer_devices), plan.data_parallel_size
         print(f"lit-rl serve: GPUs {args.devices} serve (tp {plan.tensor_parallel_size} x dp {plan.data_parallel_size}); "
               f"train on devices {plan.train_devices}", flush=True)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, even if started with SIGINT ignored
-    server = VLLMServer(
+    return VLLMServer(
         args.model, host=args.host, port=args.port, api_key=args.api_key, max_model_len=args.max_model_len,
         dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         devices=args.devices.split(",") if args.devices else None, generation_config=args.generation_config,
         dev_mode=not args.no_dev_mode, extra_args=extra, log_path=args.log, startup_timeout=args.startup_timeout,
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    from lit_rl.inference.server import ServerStartError
+
+    args, extra = parse(sys.argv[1:] if argv is None else argv)
+    if problem := local_model_problem(args.model):
+        raise UserError(f"--model {args.model}{problem}")
+    try:
+        server = vllm_server(args, extra)
+    except ValueError as e:  # a value it refuses, said with the flag that gave it
+        raise UserError(flag_names(str(e).removeprefix("VLLMServer: "), vars(args))) from e
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, even if started with SIGINT ignored
     print(f"lit-rl serve: starting vLLM for {args.model} (log: {server.log_path or 'a temporary file'}) ...", flush=True)
     # One try from the start: a Ctrl-C at any moment (while starting, while the ready line is being
     # written) is a clean stop with exit 130, never a traceback.

@@ -2,9 +2,9 @@
 
 Built on `openai.AsyncOpenAI` (one connection pool, asyncio: hundreds of requests in flight
 without a thread each; timeouts; bounded retries with exponential backoff on connection errors,
-408/409/429 and 5xx). Failures come out as two exceptions, never a hang:
-`InferenceServerError` (server unreachable, died, timed out, 5xx after the retries) and
-`InferenceRequestError` (the server rejected the request, 4xx).
+408/409/429 and 5xx, none after a timeout: `NoRetryOnTimeout`). Failures come out as two
+exceptions, never a hang: `InferenceServerError` (server unreachable, died, timed out, 5xx after
+the retries) and `InferenceRequestError` (the server rejected the request, 4xx).
 
 Token ids are the source of truth for training: prompts go to `/v1/completions` as ids, chats
 are rendered with the chat template *here* and sent as ids too, and every answer carries the
@@ -131,6 +131,20 @@ def tls_context() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
+class NoRetryOnTimeout(openai.DefaultAsyncHttpxClient):
+    """The HTTP client under `InferenceClient`'s `openai.AsyncOpenAI`: a request that got no answer
+    within its timeout is raised as the `openai.APITimeoutError` it would end as, which the SDK
+    passes on at once. The SDK retries httpx's own timeouts like connection errors, so a wedged
+    server held each call for (max_retries + 1) x timeout, 40 minutes with the defaults. A connect
+    timeout is a connection error still, retried: nothing was sent."""
+
+    async def send(self, request: httpx.Request, **kwargs) -> httpx.Response:
+        try:
+            return await super().send(request, **kwargs)
+        except (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout) as e:
+            raise openai.APITimeoutError(request=request) from e
+
+
 class InferenceClient:
     def __init__(
         self,
@@ -155,7 +169,8 @@ class InferenceClient:
             allowed_root: run directory whose `weights/step_N` may be reloaded; None refuses all reloads.
             timeout: seconds per request (a long generation must finish within it).
             connect_timeout: seconds to establish a connection.
-            max_retries: retries (exponential backoff from 0.5 s) on connection errors and 5xx.
+            max_retries: retries (exponential backoff from 0.5 s) on connection errors and 5xx;
+                a request that timed out is not retried (`NoRetryOnTimeout`).
             diagnose: returns a line on the server's state for error messages (VLLMServer.client sets it).
             batch_prompts: send the prompts of calls made at the same moment with the same settings
                 as one request (`batching.PromptBatcher`: faster; each call then gets its answer
@@ -169,7 +184,7 @@ class InferenceClient:
         self.openai = openai.AsyncOpenAI(
             base_url=self.base_url, api_key=api_key or "EMPTY", max_retries=max_retries,
             timeout=openai.Timeout(timeout, connect=connect_timeout),
-            http_client=openai.DefaultAsyncHttpxClient(verify=tls_context()),
+            http_client=NoRetryOnTimeout(verify=tls_context()),
         )
         self._root = self.openai.with_options(base_url=self.root_url)  # same pool, for non-/v1 routes
         self._served_root: str | None = None
@@ -497,11 +512,8 @@ class InferenceClient:
         if self._tokenizer is None or isinstance(self._tokenizer, (str, Path)):
             if self._tokenizer is None:
                 await self._look_up_listed()  # also when the model was named: its card says where it is
-                root = self._served_root or self.model
-                if not Path(root).is_dir():
-                    raise ValueError(f"chat needs a tokenizer: the served model {root!r} is not a local directory; pass tokenizer=")
-                self._tokenizer = root
-            self._tokenizer = load_tokenizer(self._tokenizer)
+                self._tokenizer = self._served_root or self.model
+            self._tokenizer = load_tokenizer(self._tokenizer)  # a directory here, or a hub name (a UserError if neither)
         return self._tokenizer
 
     async def _call(self, what: str, request):

@@ -55,12 +55,52 @@ from lit_rl.model_names import resolve_model_name
 log = logging.getLogger(__name__)
 
 
+# The vLLM flags VLLMServer passes itself (`command()`; the api key goes through the environment),
+# with vLLM 0.32's other spellings of them, and the option that sets each. vLLM takes the last of a
+# flag given twice and `extra_args` come last, so one of these there would silently win: --host
+# 0.0.0.0 without the warning, a --port lit-rl does not poll, a key on the process list.
+OWN_FLAGS = {
+    "--model": "model", "--host": "host", "--port": "port", "--api-key": "api_key", "--dtype": "dtype",
+    "--generation-config": "generation_config", "--max-model-len": "max_model_len",
+    "--tensor-parallel-size": "tensor_parallel_size", "-tp": "tensor_parallel_size",
+    "--data-parallel-size": "data_parallel_size", "-dp": "data_parallel_size",
+    "--gpu-memory-utilization": "gpu_memory_utilization", "--device-memory-utilization": "gpu_memory_utilization",
+    "--enforce-eager": "enforce_eager", "--no-enforce-eager": "enforce_eager",
+    "--worker-extension-cls": "dev_mode", "--logprobs-mode": None,
+}
+OWN_FLAG_FIX = {  # for the flags no option sets as it is
+    "dev_mode": "it is lit-rl's worker extension, which weight reloads need (dev_mode off leaves it out)",
+    None: "lit-rl's servers always use processed_logprobs, the log-probabilities the trainer computes",
+}
+
+
+def own_flag(arg) -> str | None:
+    """The flag of `OWN_FLAGS` that the vLLM argument `arg` sets, read as vLLM's parser reads it:
+    `--flag=value`, underscores for dashes, and any unique prefix (`--hos` is `--host`)."""
+    if not isinstance(arg, str) or not arg.startswith("-"):
+        return None
+    name = arg.split("=", 1)[0]
+    name = name.replace("_", "-") if name.startswith("--") else name
+    if name in OWN_FLAGS:
+        return name
+    return next((flag for flag in OWN_FLAGS if name.strip("-") and flag.startswith(name)), None)
+
+
 def extra_args_problem(extra_args) -> str | None:
     """What is wrong with a server's `extra_args`: given as one string, split into characters it
-    is no vLLM argument. None when nothing is."""
+    is no vLLM argument; a flag VLLMServer passes itself (`OWN_FLAGS`) would override it unchecked.
+    None when nothing is."""
     if isinstance(extra_args, str):
         return f"extra_args must be a list of vLLM arguments (e.g. [\"--max-num-seqs\", \"8\"]), got the string {extra_args!r}"
-    return None
+    problems = []
+    for arg in extra_args:
+        if flag := own_flag(arg):
+            option = OWN_FLAGS[flag]
+            fix = OWN_FLAG_FIX.get(option, f"use the {option} option instead")
+            given = f" (as {arg!r})" if arg != flag else ""
+            problems.append(f"extra_args must not set {flag}{given}: lit-rl passes it to vLLM itself, and the last "
+                            f"one given wins, unchecked; {fix}")
+    return "; ".join(problems) or None
 
 
 class ServerStartError(RuntimeError):
@@ -156,7 +196,8 @@ def remove_rendezvous_file(log_path: Path, offset: int) -> None:
 
 
 _live: weakref.WeakSet[VLLMServer] = weakref.WeakSet()
-_hooks_installed = False
+_atexit_registered = False
+_sigterm_hooked = False
 
 
 def stop_all(only_on_sigterm: bool = False) -> None:
@@ -168,14 +209,16 @@ def stop_all(only_on_sigterm: bool = False) -> None:
 
 
 def _install_hooks() -> None:
-    """atexit + SIGTERM: stop servers, then do whatever SIGTERM did before (chained)."""
-    global _hooks_installed
-    if _hooks_installed:
+    """atexit + SIGTERM: stop servers, then do whatever SIGTERM did before (chained). A signal
+    handler can only be set from the main thread, so a start from another thread leaves it to the
+    first start from the main thread (PDEATHSIG covers the servers until then)."""
+    global _atexit_registered, _sigterm_hooked
+    if not _atexit_registered:
+        atexit.register(stop_all)
+        _atexit_registered = True
+    if _sigterm_hooked or threading.current_thread() is not threading.main_thread():
         return
-    _hooks_installed = True
-    atexit.register(stop_all)
-    if threading.current_thread() is not threading.main_thread():
-        return  # signal handlers can only be set from the main thread; PDEATHSIG still covers us
+    _sigterm_hooked = True
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_sigterm(signum, frame):
@@ -221,7 +264,7 @@ class VLLMServer:
         Args:
             model: a local model directory (e.g. `<root>/weights/step_0`) or a hub name.
             host: address to bind; anything but loopback is warned about (see module docstring).
-            port: port to bind; None picks a free one.
+            port: port to bind; None (or 0) picks a free one.
             api_key: required as a Bearer token on `/v1/*` when given.
             max_model_len: `--max-model-len` (prompt + completion tokens); None: the model's own.
             dtype: `--dtype` (auto, float32, bfloat16, float16). vLLM on CPU turns float32
@@ -250,9 +293,10 @@ class VLLMServer:
                 its step, writes its checkpoint and only then stops them (`lit_rl.stopping`);
                 at interpreter exit and on SIGKILL of this process they are stopped regardless.
         """
-        problems = []
-        if tensor_parallel_size < 1 or data_parallel_size < 1:
-            problems.append(f"tensor_parallel_size and data_parallel_size must be >= 1, got {tensor_parallel_size}, {data_parallel_size}")
+        sizes = {"tensor_parallel_size": tensor_parallel_size, "data_parallel_size": data_parallel_size}
+        problems = [f"{name} must be >= 1, got {value}" for name, value in sizes.items() if value < 1]
+        if port is not None and not (isinstance(port, int) and 0 <= port <= 65535):
+            problems.append(f"port must be in 1-65535 (None or 0: a free one), got {port!r}")
         if devices is not None and len(devices) != tensor_parallel_size * data_parallel_size:
             problems.append(
                 f"devices has {len(devices)} GPU(s) but tensor_parallel_size * data_parallel_size = "
@@ -268,7 +312,7 @@ class VLLMServer:
             raise ValueError("VLLMServer: " + "; ".join(problems))
         local = Path(resolve_model_name(model)).expanduser()  # a built-in name (lit-rl:tiny_qwen3) is a directory
         self.model = str(local.resolve()) if local.exists() else str(model)
-        self.host, self.port, self.api_key = host, port, api_key
+        self.host, self.port, self.api_key = host, port or None, api_key  # 0: one found here, not vLLM's unknown one
         self.max_model_len, self.dtype = max_model_len, dtype
         self.tensor_parallel_size, self.data_parallel_size = tensor_parallel_size, data_parallel_size
         self.gpu_memory_utilization, self.devices = gpu_memory_utilization, devices
