@@ -456,11 +456,9 @@ def _outliving(pids: list[int], wait: float = 15) -> list[int]:
 def test_math_verify_workers_go_with_a_killed_parent(tmp_path):
     """The spawned scoring workers exit when the process that scored is SIGKILLed (nothing of
     lit-rl's outlives its run; without the parent-death signal one worker stayed, adopted by init)."""
-    import os
     import signal
     import subprocess
     import sys
-    import time
 
     script = tmp_path / "score.py"
     script.write_text(
@@ -478,18 +476,5 @@ def test_math_verify_workers_go_with_a_killed_parent(tmp_path):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    deadline = time.monotonic() + 15
-
-    def alive(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
-
-    while any(alive(p) for p in workers) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    left = [p for p in workers if alive(p)]
-    for p in left:
-        os.kill(p, signal.SIGKILL)
+    left = _outliving(workers)
     assert not left, f"math_verify workers {left} outlived their parent"
