@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers import TINY_MODEL  # noqa: E402
 from test_grpo_step import RankShare, rollout_samples  # noqa: E402
+from test_mixed_step import mixed_share  # noqa: E402
 
 from lit_rl.modules.model_loading import load_causal_lm  # noqa: E402
 from lit_rl.modules import GRPO, OPD  # noqa: E402
@@ -32,13 +33,17 @@ def main(algorithm: str, options: str, out: str, steps: str = "1") -> None:
     samples = rollout_samples(student, n=8)
     options = json.loads(options)
     lr = options.pop("lr", 1.0)  # SGD's; 1 by default, as the one-process references in the tests
+    replay = options.pop("replay", 0)  # that many replay rows beside the rollouts: a mixed step (`mixed_share`)
     module = {"OPD": OPD, "GRPO": GRPO}[algorithm](model=TINY_MODEL, optimizer=lambda p: torch.optim.SGD(p, lr=lr),
                                                    max_grad_norm=None, head_chunk_size=7, **options)
     module.model = student
     trainer = L.Trainer(max_steps=int(steps), accelerator="cpu", devices=2, strategy=ModelParallelStrategy(), logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, num_sanity_val_steps=0)
-    trainer.fit(module, datamodule=RankShare(samples, micro_batch_tokens=48, packing="packed", steps=int(steps)))
+    data = (mixed_share(samples, replay) if replay else
+            RankShare(samples, micro_batch_tokens=48, packing="packed", steps=int(steps)))
+    trainer.fit(module, datamodule=data)
+    print(f"rank {trainer.global_rank} parts: {data.parts_per_micro_batch if replay else None}", flush=True)
     full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().contiguous()
             for k, v in module.model.state_dict().items()}
     frozen = module.teacher if algorithm == "OPD" else module._reference

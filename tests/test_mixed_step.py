@@ -68,7 +68,16 @@ class MixedShare(L.LightningDataModule):
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
         share = lambda xs: xs[rank * len(xs) // world:(rank + 1) * len(xs) // world]  # noqa: E731
         step = build_mixed_step([(self.policy, share(self.rollouts)), (REPLAY, share(self.rows))], **self.layout)
+        self.parts_per_micro_batch = [mb["part"] for mb in step["micro_batches"]]
         return torch.utils.data.DataLoader([step], batch_size=None, collate_fn=lambda x: x)
+
+
+def mixed_share(rollouts, replay: int) -> MixedShare:
+    """Rollouts longest first and `replay` rows shortest first, in micro-batches of 24 tokens: of
+    two ranks, the first packs more of the policy's micro-batches, the second more of the
+    replay's (the layout that once hung FSDP2 with a sharded frozen model)."""
+    rows = sorted(replay_samples(replay), key=len)
+    return MixedShare(sorted(rollouts, key=len, reverse=True), rows, micro_batch_tokens=24, packing="packed")
 
 
 def grpo(model, loss_type):
@@ -154,3 +163,38 @@ def test_split_follows_the_weights_in_whole_groups_and_rank_shares():
         split_batch(16, [Part("policy", "policy_gradient", 100, 8), REPLAY])
     with pytest.raises(ValueError, match="left over"):
         split_batch(12, [Part("policy", "policy_gradient", 1, 8), Part("replay", "cross_entropy", 1, 8)])
+
+
+@pytest.mark.slow
+def test_a_mixed_step_with_a_sharded_reference_lines_up_on_two_ranks(model, tmp_path):
+    """GRPO's reference (kl_coef) is sharded under FSDP2 like the policy and runs on the policy's
+    micro-batches only: with rollouts and replay rows packed into other counts per rank (equal in
+    total), one rank's extra reference forward waited forever for the other's. Each source is now
+    evened out apart, and two ranks give one process's update."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from helpers import REPO
+
+    rollouts = rollout_samples(model, n=8)
+    module = GRPO(model=TINY_MODEL, optimizer=lambda p: torch.optim.SGD(p, lr=0.05), max_grad_norm=None,
+                  head_chunk_size=7, kl_coef=0.5, loss_type="dapo")
+    module.model = copy.deepcopy(model)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=mixed_share(rollouts, 8))
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "fsdp_rl_step.py"), "GRPO",
+                          json.dumps({"kl_coef": 0.5, "loss_type": "dapo", "lr": 0.05, "replay": 8}), str(tmp_path / "out")],
+                         cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-4000:]
+    ranks = dict(line.split(" parts: ") for line in out.stdout.splitlines() if " parts: " in line)
+    counts = {rank: (parts.count("'policy'"), parts.count("'replay'")) for rank, parts in ranks.items()}
+    assert len(set(counts.values())) == 2, counts  # the ranks' layouts differ, part by part
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text())["frozen_sharded"]
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    for name, a in module.model.named_parameters():
+        torch.testing.assert_close(got[name], a.detach(), atol=2e-6, rtol=0, msg=name)

@@ -79,23 +79,28 @@ class TrainingStep:
     def _step_micro_batches(self, batch: dict) -> list[dict]:
         """The step's micro-batches on this rank; an empty one stands in for each source of a mixed
         step that gave this rank nothing (or for a step with no rows), and more are added until
-        every rank has as many micro-batches as the rank with the most, so that every rank takes
+        every rank has as many micro-batches (of each source) as the rank with the most, so that every rank takes
         part in the same collectives and logs the same metric names. Equal counts matter under
         FSDP: each forward all-gathers each layer's weights, so a rank with one micro-batch more
         than another (equal samples, other lengths, a token budget) would wait for it forever."""
-        micro_batches = list(batch["micro_batches"])
-        present = {mb.get("part") for mb in micro_batches}
         parts = batch.get("parts") or []
-        for name, loss in parts:
-            if name not in present:
-                micro_batches.append({**self._empty_micro_batch(), "part": name, "loss": loss})
-        micro_batches = micro_batches or [self._empty_micro_batch()]
-        if self.trainer.world_size > 1:
-            most = int(self.trainer.strategy.reduce(torch.tensor(float(len(micro_batches)), device=self.device),
-                                                    reduce_op="max"))
-            like = {"part": parts[0][0], "loss": parts[0][1]} if parts else {}
-            micro_batches += [{**self._empty_micro_batch(), **like} for _ in range(most - len(micro_batches))]
-        return micro_batches
+        if not parts:  # one source
+            own = list(batch["micro_batches"]) or [self._empty_micro_batch()]
+            return own + [self._empty_micro_batch() for _ in range(self._most_over_ranks([len(own)])[0] - len(own))]
+        # A mixed step, part by part in the step's order: the algorithm's frozen model (GRPO's
+        # reference, OPD's teacher) runs on its own part's micro-batches only, and is sharded too,
+        # so each part needs the same count on every rank, in the same place.
+        by_part = {name: [mb for mb in batch["micro_batches"] if mb.get("part") == name] for name, _ in parts}
+        most = self._most_over_ranks([max(1, len(by_part[name])) for name, _ in parts])
+        return [mb for (name, loss), n in zip(parts, most) for mb in by_part[name]
+                + [{**self._empty_micro_batch(), "part": name, "loss": loss} for _ in range(n - len(by_part[name]))]]
+
+    def _most_over_ranks(self, counts: list[int]) -> list[int]:
+        """Each of `counts`, its largest over the ranks (one collective under several processes)."""
+        if self.trainer.world_size == 1:
+            return counts
+        most = self.trainer.strategy.reduce(torch.tensor(counts, dtype=torch.float32, device=self.device), reduce_op="max")
+        return [int(n) for n in most.tolist()]
 
     # ---- one optimizer step per batch: counts, backward, optimizer, logging ---------------------
     def _sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
