@@ -7,11 +7,15 @@ CPU a start on a 2-core machine).
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_rl import stopping
@@ -21,6 +25,7 @@ from lit_rl.cli import LIGHTNING_COMMANDS
 from lit_rl.errors import UserError
 from lit_rl.inference.runtime import InferenceRuntime
 from lit_rl.modules.base import CausalLMModule
+from lit_rl.run_dir import stable_steps
 
 
 class LitRLCLI(LightningCLI):
@@ -30,7 +35,8 @@ class LitRLCLI(LightningCLI):
       auto-configured one, which breaks with `configure_model` and FSDP).
     - Lightning must not swap the sampler: lit-rl datamodules shard their own steps.
     - The saved config of an earlier run in the same directory is overwritten.
-    - Logs go to a CSVLogger under `default_root_dir/logs` unless a logger is given.
+    - Logs go to a CSVLogger under `default_root_dir/logs` unless a logger is given (given to the
+      trainer, not written into the config, whose saved copy must run again into another directory).
     - Resumable checkpoints go to `default_root_dir/checkpoints/last.ckpt` (RunCheckpoint)
       unless the config brings its own ModelCheckpoint or disables checkpointing.
     - The progress bar counts optimizer steps of the whole run (StepProgressBar) unless the
@@ -63,18 +69,16 @@ class LitRLCLI(LightningCLI):
     def subcommands():
         return {k: v for k, v in LightningCLI.subcommands().items() if k in LIGHTNING_COMMANDS}
 
+    def _set_seed(self) -> None:
+        refuse_seed_out_of_range(self._get(self.config, "seed_everything"))
+        super()._set_seed()
+
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
         trainer = config.get("trainer")
         if trainer is not None:
             auto_devices_without_gpu(trainer)
             refuse_automatic_optimization_flags(trainer)
-        if trainer is not None and trainer.get("logger") in (None, True):
-            root = trainer.get("default_root_dir") or "."
-            trainer["logger"] = {
-                "class_path": "lightning.pytorch.loggers.CSVLogger",
-                "init_args": {"save_dir": root, "name": "logs"},
-            }
 
     def instantiate_classes(self) -> None:
         from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -93,6 +97,7 @@ class LitRLCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         try:
+            self._resolve_last_checkpoint(subcommand)
             super()._run_subcommand(subcommand)
         except BaseException as e:
             remove_empty_log_dir(self.trainer)
@@ -103,7 +108,31 @@ class LitRLCLI(LightningCLI):
         """Lightning's reads a given checkpoint whole at start-up (weights and optimizer state, in
         CPU memory) for the model's saved `__init__` arguments, before the trainer loads it again to
         restore it. lit-rl's modules save none (their arguments are the config's), so nothing is
-        read here: a resume of a large model loads its checkpoint once."""
+        read here: a resume of a large model loads its checkpoint once. `last` is looked up once the
+        trainer (its checkpoint callbacks) exists: `_resolve_last_checkpoint`."""
+
+    def _resolve_last_checkpoint(self, subcommand: str) -> None:
+        """`--ckpt_path last` that finds no checkpoint. Lightning only warns and starts from step 0,
+        and the fresh start then replaces the run it was meant to resume (HFExport removes its
+        exported weights): refused, before anything is written, when the run directory holds an
+        earlier run. A requeue script passes `last` to every launch of a job, the first one
+        included: into a run directory without one, it starts fresh."""
+        config = self.config_init[subcommand]
+        if config.get("ckpt_path") != "last" or last_checkpoints(self.trainer):
+            return
+        root = self.trainer.default_root_dir
+        earlier = earlier_run(root)
+        if earlier:
+            callbacks = [c for c in self.trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+            none = (f"none in {', '.join(str(c.dirpath) for c in callbacks)}" if callbacks else
+                    "this config writes none: trainer.enable_checkpointing is false")
+            raise UserError(f"--ckpt_path last found no checkpoint to resume ({none}), but the run directory "
+                            f"{root} holds an earlier run ({'; '.join(earlier)}); starting from step 0 would replace "
+                            "it, its exported weights included. fix: give the checkpoint to resume with --ckpt_path "
+                            "PATH; or leave out --ckpt_path to start a fresh run that replaces it; or set "
+                            "--trainer.default_root_dir to another directory")
+        rank_zero_info(f"--ckpt_path last: no checkpoint yet in the run directory {root}: starting from step 0")
+        config["ckpt_path"] = None  # Lightning's warning about it would advise `ModelCheckpoint(save_last=True)`
 
     def _refuse_unreadable_checkpoint(self, e: BaseException) -> None:
         """torch's error on a checkpoint file cut short (a full disk, a copy that stopped) is a
@@ -126,7 +155,41 @@ class LitRLCLI(LightningCLI):
             callbacks = [*callbacks, RunCheckpoint()]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
             callbacks = [*callbacks, StepProgressBar()]
+        if config.get("logger") in (None, True):
+            # the trainer's, not the config's: the saved config.yaml keeps `logger: null`, and a rerun of it
+            # with another default_root_dir logs there, not into the run it was saved from
+            config = {**config, "logger": CSVLogger(save_dir=config.get("default_root_dir") or ".", name="logs")}
         return super()._instantiate_trainer(config, callbacks)
+
+
+def last_checkpoints(trainer) -> set[str]:
+    """The checkpoints that `ckpt_path="last"` chooses from, found as Lightning finds them
+    (`_CheckpointConnector._parse_ckpt_path`)."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    found = {getattr(c, "ckpt_path", None) for c in trainer.callbacks if isinstance(c, OnExceptionCheckpoint)}
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            found |= callback._find_last_checkpoints(trainer)
+    return {path for path in found if path and os.path.exists(path)}
+
+
+def earlier_run(root) -> list[str]:
+    """What a run left in `root` that a fresh start would replace: exported steps, files under
+    `checkpoints/`, the logs of launches that logged metrics. Empty for a directory with none of
+    them, including that of a launch killed before it logged or saved anything."""
+    root = Path(root)
+    found = []
+    steps = stable_steps(root)
+    if steps:
+        found.append(f"{len(steps)} exported step(s): {', '.join(p.name for p in steps.values())}")
+    saved = sorted(p.name for p in (root / "checkpoints").iterdir()) if (root / "checkpoints").is_dir() else []
+    if saved:
+        found.append(f"checkpoints/: {', '.join(saved)}")
+    logged = sorted(p.parent.name for p in root.glob("logs/*/metrics.csv"))
+    if logged:
+        found.append(f"the logs of {len(logged)} launch(es) in logs/")
+    return found
 
 
 def remove_empty_log_dir(trainer) -> None:
@@ -136,7 +199,6 @@ def remove_empty_log_dir(trainer) -> None:
     anything else in it (metrics, a user's notes) is left as it is."""
     import contextlib
     import shutil
-    from pathlib import Path
 
     if trainer is None or trainer.global_rank != 0 or trainer.global_step != 0:
         return
@@ -168,6 +230,16 @@ def auto_devices_without_gpu(trainer) -> None:
     on_cpu = trainer.get("accelerator") == "cpu" or (trainer.get("accelerator") in (None, "auto") and not torch.cuda.is_available())
     if multi and on_cpu and str(trainer.get("devices")) == "auto":
         trainer["devices"] = CPU_PROCESSES
+
+
+def refuse_seed_out_of_range(seed) -> None:
+    """Lightning's `seed_everything` refuses a seed numpy cannot take with a traceback that does not
+    name the flag; say which flag, and the range (Lightning's)."""
+    from lightning.fabric.utilities.seed import max_seed_value, min_seed_value
+
+    if isinstance(seed, int) and not isinstance(seed, bool) and not min_seed_value <= seed <= max_seed_value:
+        raise UserError(f"invalid config: seed_everything ({seed}) must be in [{min_seed_value}, {max_seed_value}], "
+                        "the seeds numpy takes (true draws one at random)")
 
 
 def refuse_automatic_optimization_flags(trainer) -> None:

@@ -18,6 +18,7 @@ the factory call and `LRSchedule` reads it when `total_steps` is not given.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from contextvars import ContextVar
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 
 _TRAINER_STEPS: ContextVar[int | None] = ContextVar("lit_rl_trainer_steps", default=None)
 UNSUPPORTED = {"reduce_lr_on_plateau": "it needs a monitored metric", "greedy": "it needs a monitored metric"}
+COMMON_ARGUMENTS = ("optimizer", "num_warmup_steps", "num_training_steps", "last_epoch")  # passed by LRSchedule
+RATES = ("min_lr_rate", "min_lr_ratio")  # fractions of the peak lr: the floor of a decay
 
 
 def trainer_total_steps(trainer) -> int | None:
@@ -51,10 +54,55 @@ def build_lr_scheduler(factory, optimizer: Optimizer, total_steps: int | None):
         _TRAINER_STEPS.reset(token)
 
 
+@contextlib.contextmanager
+def config_values_of(section: str):
+    """Around the module's call of the config's optimizer or schedule factory: they are built from
+    the config's arguments only then, when the fit has begun, and torch's refusal of a value (`lr -1`:
+    "Invalid learning rate") would be a traceback from inside Lightning. A ConfigError naming `section`."""
+    try:
+        yield
+    except ValueError as e:
+        if isinstance(e, ConfigError):  # LRSchedule's own, which names its problems
+            raise
+        raise ConfigError(f"invalid config: {section}: {e}") from e
+
+
 def scheduler_names() -> list[str]:
     from transformers.trainer_utils import SchedulerType
 
     return [s.value for s in SchedulerType if s.value not in UNSUPPORTED]
+
+
+def schedule_arguments(name: str) -> list[str]:
+    """The arguments of transformers' schedule `name` that `scheduler_kwargs` may give: its
+    function's, less those lit-rl passes itself."""
+    import inspect
+
+    from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
+    from transformers.trainer_utils import SchedulerType
+
+    function = TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(name)]
+    return [p for p in inspect.signature(function).parameters if p not in COMMON_ARGUMENTS]
+
+
+def schedule_kwargs_problems(name: str, kwargs: dict) -> list[str]:
+    """What is wrong with `scheduler_kwargs` for schedule `name`, said before transformers sees
+    them: it drops those of constant and constant_with_warmup without a word (the others' unknown
+    ones are its TypeError), and a floor above the peak makes a decay rise (min_lr_rate 2.0: the
+    lr ends at 1.96x the peak)."""
+    if name not in scheduler_names():
+        return []  # the name's own problem is reported
+    accepted = schedule_arguments(name)
+    problems = []
+    unknown = sorted(k for k in kwargs if k not in accepted)
+    if unknown:
+        takes = f"it takes {', '.join(accepted)}" if accepted else "it takes none"
+        problems.append(f"scheduler_kwargs {unknown} are not arguments of the {name!r} schedule ({takes})")
+    for rate in RATES:
+        value = kwargs.get(rate)
+        if rate in accepted and isinstance(value, (int, float)) and not 0.0 <= value <= 1.0:
+            problems.append(f"scheduler_kwargs.{rate} is a fraction of the peak lr, in [0, 1]; got {value}")
+    return problems
 
 
 class LRSchedule(LambdaLR):
@@ -74,12 +122,14 @@ class LRSchedule(LambdaLR):
             name: a ``transformers.SchedulerType``: linear, cosine, cosine_with_restarts, polynomial,
                 constant, constant_with_warmup, inverse_sqrt, cosine_with_min_lr,
                 cosine_warmup_with_min_lr, warmup_stable_decay.
-            warmup_steps: optimizer steps of linear warm-up from 0 to the optimizer's lr.
+            warmup_steps: optimizer steps of linear warm-up from 0 to the optimizer's lr (refused
+                with ``constant``, which has none: ``constant_with_warmup`` warms up).
             total_steps: length of the schedule in optimizer steps. Default: the trainer's
                 (``trainer.max_steps``, or the steps of ``max_epochs``); give it only to decouple
                 the schedule from the run's length.
             scheduler_kwargs: extra arguments of the transformers schedule, e.g.
-                ``{min_lr_rate: 0.1}`` for cosine_with_min_lr, ``{num_cycles: 2}`` for cosine_with_restarts.
+                ``{min_lr_rate: 0.1}`` for cosine_with_min_lr, ``{num_cycles: 2}`` for cosine_with_restarts;
+                an argument the schedule does not take is refused.
         """
         from transformers import get_scheduler
 
@@ -91,6 +141,10 @@ class LRSchedule(LambdaLR):
             problems.append(f"name must be one of {scheduler_names()}, got {name!r}{why}")
         if warmup_steps < 0:
             problems.append(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if name == "constant" and warmup_steps > 0:
+            problems.append(f"warmup_steps ({warmup_steps}) does nothing with the 'constant' schedule (transformers' "
+                            "constant ignores it); use name: constant_with_warmup")
+        problems += schedule_kwargs_problems(name, scheduler_kwargs or {})
         if steps is None and name != "constant":
             problems.append(
                 "total_steps is unknown: set trainer.max_steps (or max_epochs), or give total_steps "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 
+from lit_rl.errors import ConfigError
 from lit_rl.server_options import with_server_args
 
 SEED_VARIABLE = "PL_GLOBAL_SEED"  # lightning.fabric.utilities.seed
@@ -41,11 +42,12 @@ def order_seed(explicit: int | None, saved: int | None, *, flag: str, announce: 
 
     A resume keeps its order because the seed a launch gets may differ from the first
     launch's, and a new order in the middle of a pass over the data would repeat some rows and
-    skip others; for the same reason an explicit seed that differs from the saved one is refused.
+    skip others; for the same reason an explicit seed that differs from the saved one is refused
+    (a ConfigError: the user's flag, one message).
     """
     if explicit is not None:
         if saved is not None and saved != explicit:
-            raise ValueError(
+            raise ConfigError(
                 f"{flag} is {explicit}, but the checkpoint's run drew its order with seed {saved}: another "
                 f"order in the middle of a pass would repeat some rows and skip others; leave {flag} unset "
                 f"(the saved seed is kept) or set it to {saved}"

@@ -66,9 +66,15 @@ def test_fit_runs_end_to_end_and_reruns_into_same_dir(tmp_path):
                   "Total length of `list` across ranks is zero"):
         assert noise not in first.stdout + first.stderr, noise
     assert (tmp_path / "run" / "weights" / "step_3" / "STABLE").is_file()
-    # a second run into the same directory must not trip over the saved config
-    second = run(args)
+    # the saved config runs again, into another directory given on the command line: its logs go there, not
+    # into the run it was saved from (the default logger is the trainer's, not written into the config);
+    # a second run into the same directory not tripping over the saved config: tests/test_resume.py
+    saved = tmp_path / "run" / "logs" / "version_0" / "config.yaml"
+    assert yaml.safe_load(saved.read_text())["trainer"]["logger"] is None
+    second = run(["fit", "--config", str(saved), "--trainer.default_root_dir", str(tmp_path / "again")])
     assert second.returncode == 0, second.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "run" / "logs").iterdir()] == ["version_0"]
+    assert [int(r["step"]) for r in metrics_rows(tmp_path / "again") if r.get("train/loss")] == [0, 1, 2]
 
 
 def test_validate_reports_val_loss(tmp_path, lit_rl_main):
@@ -109,6 +115,37 @@ def test_data_preview_text_and_json(tmp_path, lit_rl_main):
     lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     assert [line["row"] for line in lines] == [0, 1, 2]
     assert all(len(line["input_ids"]) == len(line["loss_mask"]) and any(line["loss_mask"]) for line in lines)
+    # a start past either end is refused, naming the rows there are (it printed row -1 as the last one, or nothing)
+    for start in ("-1", "6"):
+        code, stdout, stderr = lit_rl_main(["data", "preview", "--config", CONFIG, "--start", start, "--data.init_args.path", data])
+        assert code == 1 and not stdout and "Traceback" not in stderr, stderr[-2000:]
+        assert f"--start {start} is not a row of the training data: it has 6 rows (--start 0 to 5)" in stderr
+
+
+@pytest.mark.parametrize("group_size", ["8", "1"])
+def test_data_preview_of_an_rl_config_says_it_needs_a_dataset(tmp_path, lit_rl_main, group_size):
+    """An RL config's rows are generated while it trains: one message naming its data class, not a
+    batch-size problem of the preview's own making (group_size 8) or an AttributeError (group_size 1)."""
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(6))
+    code, _, stderr = lit_rl_main(["data", "preview", "--config", str(REPO / "examples" / "reverse_text" / "grpo.yaml"),
+                                   "--model.init_args.model", "lit-rl:tiny_qwen3", "--data.init_args.env.init_args.path", data,
+                                   "--data.init_args.group_size", group_size])
+    assert code == 1 and "Traceback" not in stderr, stderr[-2000:]
+    assert "preview shows the rows of a lit_rl.data.datamodules.StaticDataModule" in stderr
+    assert "this config's data is lit_rl.data.rollout_datamodule.RolloutDataModule" in stderr
+
+
+def test_values_refused_only_when_the_run_starts_name_their_flag(tmp_path, lit_rl_main):
+    """torch's refusal of the optimizer's lr (when the trainer builds it) and Lightning's of a seed
+    outside numpy's range were tracebacks; each is one message naming the flag, and no logs are left."""
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
+    for flag, value, said in (("--model.init_args.optimizer.init_args.lr", "-1",
+                               "invalid config: model.init_args.optimizer: Invalid learning rate: -1"),
+                              ("--seed_everything", "-5", "invalid config: seed_everything (-5) must be in [0, 4294967295]")):
+        code, _, stderr = lit_rl_main(fit_args(tmp_path, data) + [flag, value])
+        assert code == 1 and "Traceback" not in stderr, stderr[-3000:]
+        assert said in stderr, stderr[-3000:]
+        assert not (tmp_path / "run" / "logs").exists()
 
 
 @pytest.mark.parametrize("config", sorted(str(p) for p in [*REPO.glob("configs/*.yaml"), *REPO.glob("examples/*/*.yaml")]))

@@ -62,10 +62,30 @@ def test_a_resume_with_a_longer_run_goes_on_with_the_longer_schedule():
 def test_a_schedules_missing_or_unknown_argument_is_one_error_naming_scheduler_kwargs():
     """transformers' own TypeError or ValueError (a traceback from inside it) becomes a ConfigError."""
     for name, kwargs, said in (("warmup_stable_decay", {}, "missing 1 required positional argument: 'num_decay_steps'"),
-                               ("cosine_warmup_with_min_lr", {}, "One of min_lr or min_lr_rate should be set"),
-                               ("cosine", {"bogus": 1}, "unexpected keyword argument 'bogus'")):
+                               ("cosine_warmup_with_min_lr", {}, "One of min_lr or min_lr_rate should be set")):
         with pytest.raises(ConfigError, match=f"LRSchedule '{name}': .*{said}.*scheduler_kwargs gives the schedule's own"):
             LRSchedule(optimizer(), name=name, warmup_steps=2, total_steps=10, scheduler_kwargs=kwargs)
+
+
+@pytest.mark.parametrize("name,warmup,kwargs,said", [
+    ("constant", 5, {}, ("warmup_steps (5) does nothing with the 'constant' schedule (transformers' constant ignores it); "
+                         "use name: constant_with_warmup")),
+    ("constant", 0, {"bogus": 0.5}, "scheduler_kwargs ['bogus'] are not arguments of the 'constant' schedule (it takes none)"),
+    ("constant_with_warmup", 2, {"min_lr_rate": 0.5}, ("scheduler_kwargs ['min_lr_rate'] are not arguments of the "
+                                                       "'constant_with_warmup' schedule (it takes none)")),
+    ("cosine", 2, {"bogus": 1}, "scheduler_kwargs ['bogus'] are not arguments of the 'cosine' schedule (it takes num_cycles)"),
+    ("cosine_with_min_lr", 2, {"min_lr_rate": 2.0}, "scheduler_kwargs.min_lr_rate is a fraction of the peak lr, in [0, 1]; got 2.0"),
+    ("cosine_with_min_lr", 2, {"min_lr_rate": -1.0}, "scheduler_kwargs.min_lr_rate is a fraction of the peak lr, in [0, 1]; got -1.0"),
+    ("warmup_stable_decay", 2, {"num_decay_steps": 4, "min_lr_ratio": 1.5}, "scheduler_kwargs.min_lr_ratio is a fraction"),
+], ids=["constant-warmup", "constant-kwargs", "constant_with_warmup-kwargs", "cosine-unknown", "min_lr_rate-2", "min_lr_rate-neg",
+        "wsd-min_lr_ratio"])
+def test_a_setting_the_schedule_would_ignore_or_misread_is_refused(name, warmup, kwargs, said):
+    """transformers' constant returns before it reads warmup_steps or scheduler_kwargs (lr 1.0x from
+    step 0, the warm-up silently dropped), constant_with_warmup and linear ignore scheduler_kwargs, and
+    a min_lr_rate above 1 makes the decay rise to 1.96x the peak: each is a ConfigError naming it."""
+    with pytest.raises(ConfigError) as e:
+        LRSchedule(optimizer(), name=name, warmup_steps=warmup, total_steps=10, scheduler_kwargs=kwargs)
+    assert said in str(e.value)
 
 
 def test_same_numbers_as_transformers():

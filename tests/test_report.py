@@ -3,6 +3,7 @@
 import csv
 
 import pytest
+import yaml
 
 from lit_rl.commands.report import collect, main, plot, run_labels
 from lit_rl.eval.logging import EvalLogger
@@ -51,3 +52,36 @@ def test_labels_are_directory_names_unless_they_clash(tmp_path):
     assert run_labels([tmp_path / "x" / "opd", tmp_path / "y" / "grpo"]) == ["opd", "grpo"]
     assert run_labels([tmp_path / "x" / "run", tmp_path / "y" / "run"]) == [str(tmp_path / "x" / "run"),
                                                                             str(tmp_path / "y" / "run")]
+
+
+def write_validate_launch(root, version, ckpt_path, val_loss):
+    """A `lit-rl validate` launch as Lightning logs it: its saved config, val/loss at step 0."""
+    log_dir = root / "logs" / f"version_{version}"
+    log_dir.mkdir(parents=True)
+    (log_dir / "config.yaml").write_text(yaml.safe_dump({"ckpt_path": ckpt_path, "trainer": {}}))
+    (log_dir / "metrics.csv").write_text(f"epoch,step,val/loss\n0,0,{val_loss}\n")
+
+
+def test_a_validate_launch_is_drawn_at_its_checkpoints_step_or_left_out(tmp_path):
+    """Lightning logs `lit-rl validate` at step 0, which drew the final checkpoint's loss at the start
+    of the curve. At the checkpoint's step when it is known (here from Lightning's checkpoint name;
+    tests/test_resume.py reads a real last.ckpt), where the fit logs the step that made those weights;
+    left out when it is not (a checkpoint that is gone)."""
+    run = write_run(tmp_path / "run", [3.0, 2.0, 1.5, 1.0])
+    write_validate_launch(run, 1, str(tmp_path / "gone.ckpt"), 0.9)
+    assert "val/loss" not in collect(run)
+    write_validate_launch(run, 2, str(run / "checkpoints" / "epoch=0-step=4.ckpt"), 0.8)
+    write_validate_launch(run, 3, None, 3.5)  # no checkpoint: the config's model, untrained
+    assert collect(run)["val/loss"] == {3: 0.8, 0: 3.5}
+
+
+def test_other_folders_under_logs_are_ignored_and_out_goes_where_asked(tmp_path, capsys):
+    """A user's `logs/version_0_old` crashed `int()`; an --out in a directory that does not exist yet
+    was a FileNotFoundError traceback."""
+    run = write_run(tmp_path / "run", [3.0, 2.0])
+    (run / "logs" / "version_0_old").mkdir()
+    (run / "logs" / "version_0_old" / "metrics.csv").write_text("epoch,step,train/loss\n0,0,99.0\n")
+    assert collect(run)["train/loss"] == {0: 3.0, 1: 2.0}
+    out = tmp_path / "plots" / "today" / "curves.png"
+    main([str(run), "--out", str(out)])
+    assert out.stat().st_size > 10_000 and f"wrote {out}" in capsys.readouterr().out

@@ -31,12 +31,12 @@ def fit(root, data, steps, *extra, **popen):
     ]
 
 
-def losses(root: Path) -> dict[int, float]:
+def losses(root: Path, name: str = "train/loss") -> dict[int, float]:
     out = {}
     for path in sorted(root.glob("logs/version_*/metrics.csv")):
         for row in __import__("csv").DictReader(open(path)):
-            if row.get("train/loss"):
-                out[int(row["step"])] = float(row["train/loss"])
+            if row.get(name):
+                out[int(row["step"])] = float(row[name])
     return out
 
 
@@ -49,12 +49,15 @@ def snapshot(root: Path) -> dict[str, float]:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume")
     data = write_jsonl(tmp / "train.jsonl", reverse_rows(20))  # 2 steps of 8 rows per epoch: resume crosses epochs
+    # validation every 3 steps: the first launch of `split` ends with one, after its last step
+    val = ["--data.init_args.val_path", write_jsonl(tmp / "val.jsonl", reverse_rows(4, offset=20)),
+           "--trainer.val_check_interval", "3"]
     straight, split = tmp / "straight", tmp / "split"
-    for args in (fit(straight, data, 6, "--seed_everything", "7"), fit(split, data, 3, "--seed_everything", "7")):
+    for args in (fit(straight, data, 6, "--seed_everything", "7", *val), fit(split, data, 3, "--seed_everything", "7", *val)):
         out = run(args)
         assert out.returncode == 0, out.stderr[-3000:]
     # the row order follows the run's seed, and a resume launched with another seed keeps the first one's
-    out = run(fit(split, data, 6, "--ckpt_path", "last", "--seed_everything", "8"))
+    out = run(fit(split, data, 6, "--ckpt_path", "last", "--seed_everything", "8", *val))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "data.seed: resuming the order of seed 7, the one the run started with" in out.stdout + out.stderr
     return tmp, data, straight, split
@@ -65,6 +68,9 @@ def test_resume_equals_uninterrupted(runs):
     a, b = losses(straight), losses(split)
     assert sorted(a) == sorted(b) == list(range(6))
     assert [b[s] for s in range(6)] == [a[s] for s in range(6)]  # bitwise on CPU
+    # resumed from the checkpoint written after step 3 and its validation, the steps are logged under the
+    # uninterrupted run's numbers (they were one higher: 4-6), the validations too
+    assert losses(split, "val/loss") == losses(straight, "val/loss") and sorted(losses(straight, "val/loss")) == [2, 5]
     wa = load_file(straight / "weights" / "step_6" / "model.safetensors")
     wb = load_file(split / "weights" / "step_6" / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -92,10 +98,45 @@ def test_missing_checkpoint_is_refused_before_anything_changes(runs, lit_rl_main
     assert sorted(p.name for p in (split / "logs").iterdir()) == versions  # no logs/version_N of the failed launch
 
 
+def test_resume_last_without_a_checkpoint_never_replaces_the_run(runs, tmp_path, lit_rl_main):
+    """`--ckpt_path last` that finds no checkpoint started from step 0 with a warning, and the fresh
+    start removed the run's exported weights: refused, before anything changes, when the run directory
+    holds a run (a config with checkpointing disabled, or a checkpoint deleted). Into an empty
+    directory it starts fresh: tests/test_resume.py::test_a_non_finite_gradient_stops_the_run..."""
+    import shutil
+
+    _, data, _, split = runs
+    copy = tmp_path / "copy"
+    shutil.copytree(split, copy)
+    before, versions = snapshot(copy), sorted(p.name for p in (copy / "logs").iterdir())
+    code, _, stderr = lit_rl_main(fit(copy, data, 8, "--ckpt_path", "last", "--trainer.enable_checkpointing", "false"))
+    assert code == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert (f"--ckpt_path last found no checkpoint to resume (this config writes none: trainer.enable_checkpointing "
+            f"is false), but the run directory {copy} holds an earlier run (2 exported step(s): step_3, step_6; "
+            f"checkpoints/: last.ckpt; the logs of 2 launch(es) in logs/)") in stderr, stderr[-3000:]
+    (copy / "checkpoints" / "last.ckpt").unlink()
+    before.pop(str(copy / "checkpoints" / "last.ckpt"))
+    code, _, stderr = lit_rl_main(fit(copy, data, 8, "--ckpt_path", "last"))
+    assert code == 1 and f"found no checkpoint to resume (none in {copy / 'checkpoints'})" in stderr, stderr[-3000:]
+    assert snapshot(copy) == before and sorted(p.name for p in (copy / "logs").iterdir()) == versions
+
+
+def test_another_data_seed_on_resume_is_one_message(runs, tmp_path, lit_rl_main):
+    import shutil
+
+    _, data, _, split = runs
+    copy = tmp_path / "copy"
+    shutil.copytree(split, copy)
+    code, _, stderr = lit_rl_main(fit(copy, data, 8, "--ckpt_path", "last", "--data.init_args.seed", "5"))
+    assert code == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert "data.seed is 5, but the checkpoint's run drew its order with seed 7" in stderr, stderr[-3000:]
+
+
 def test_a_fresh_run_in_an_earlier_runs_directory_replaces_its_checkpoint_and_curves(runs, tmp_path, lit_rl_main):
     """A fresh fit where a run was (resumed once): it overwrites last.ckpt at its first save (no
     last-v1.ckpt beside the old run's, which `--ckpt_path last` might pick), and `lit-rl report`
-    shows its curves alone; a `lit-rl validate` there after it keeps them."""
+    shows its curves alone; a `lit-rl validate` of its checkpoint there after it keeps them, and is drawn
+    at the checkpoint's step."""
     import shutil
 
     from lit_rl.commands.report import collect
@@ -110,9 +151,11 @@ def test_a_fresh_run_in_an_earlier_runs_directory_replaces_its_checkpoint_and_cu
     assert torch.load(again / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 2
     assert sorted(collect(again)["train/loss"]) == [0, 1] and collect(again)["train/loss"] == losses_of_last(again)
     code, _, stderr = lit_rl_main(["validate", "--config", CONFIG, "--data.init_args.path", data, "--data.init_args.val_path",
-                                   data, "--data.init_args.num_workers", "0", "--trainer.default_root_dir", str(again)])
+                                   data, "--data.init_args.num_workers", "0", "--trainer.default_root_dir", str(again),
+                                   "--ckpt_path", "last"])
     assert code == 0, stderr[-3000:]
-    assert sorted(collect(again)["train/loss"]) == [0, 1] and "val/loss" in collect(again)
+    # drawn where the fit logged the step that made the validated weights (step 2's: 1), not at 0 where Lightning logs it
+    assert sorted(collect(again)["train/loss"]) == [0, 1] and list(collect(again)["val/loss"]) == [1]
 
 
 def losses_of_last(root: Path) -> dict[int, float]:
@@ -240,8 +283,10 @@ def test_a_non_finite_gradient_stops_the_run_with_its_checkpoint_written(tmp_pat
     root = tmp_path / "run"
     callbacks = [{"class_path": "lit_rl.callbacks.HFExport", "init_args": {"every_n_steps": 1}},
                  {"class_path": "online_eval_helpers.NaNLossAtStep", "init_args": {"step": 2}}]
-    code, _, stderr = lit_rl_main(fit(root, data, 6, "--trainer.callbacks", json.dumps(callbacks)))
+    # launched as a requeued job is, with --ckpt_path last from its first launch: the empty directory starts fresh
+    code, _, stderr = lit_rl_main(fit(root, data, 6, "--trainer.callbacks", json.dumps(callbacks), "--ckpt_path", "last"))
     assert code == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert f"--ckpt_path last: no checkpoint yet in the run directory {root}: starting from step 0" in stderr
     ckpt_path = root / "checkpoints" / "last.ckpt"
     lines = stderr.strip().splitlines()
     assert "training step 2: the gradient norm is nan" in stderr, stderr[-3000:]

@@ -120,6 +120,7 @@ class RunCheckpoint(ModelCheckpoint):
 
     # ---- graceful stops ----------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
+        self._align_logged_steps(trainer)
         resumed = trainer.ckpt_path if trainer.ckpt_path and os.path.exists(trainer.ckpt_path) else None
         stopping.reset(resumed_from=(resumed, trainer.global_step) if resumed else None,
                        root=trainer.default_root_dir, step=trainer.global_step)
@@ -134,6 +135,20 @@ class RunCheckpoint(ModelCheckpoint):
             self._previous_sigint = signal.signal(signal.SIGINT, first_ctrl_c)
         except ValueError:  # not the main thread: leave Ctrl-C alone
             self._previous_sigint = None
+
+    @staticmethod
+    def _align_logged_steps(trainer) -> None:
+        """A resume from a checkpoint saved at the end of a step that ran validation (after the last
+        step, or on a stop) goes on logging each step one too high (steps 7-10 for 6-9). Lightning's
+        restart takes such a checkpoint for one of its ModelCheckpoint's, saved in that validation,
+        before the step was counted among the logged ones: it skips the validation and counts the
+        step again. Counted one lower here, it lands where the uninterrupted run's count was. The
+        restart's own test decides (whether validation is due at the restored step, with this run's
+        settings); Lightning's own checkpoints there, one count lower already, are left alone."""
+        loop = trainer.fit_loop.epoch_loop
+        if (loop.restarting and loop.restarted_on_last and loop._batches_that_stepped == trainer.global_step
+                and loop._should_check_val_fx(trainer.fit_loop._data_fetcher)):
+            loop._batches_that_stepped -= 1
 
     def _restore_sigint(self) -> None:
         if self._previous_sigint is not None:

@@ -14,6 +14,7 @@ import json
 import sys
 
 from lit_rl.data.steps import BadRowError
+from lit_rl.errors import UserError
 
 START, END = "[[", "]]"  # plain-text markers around trained spans
 GREEN, RESET = "\x1b[32;1m", "\x1b[0m"
@@ -47,6 +48,19 @@ def build_datamodule(config: str, overrides: list[str]):
     return dm
 
 
+def refuse_generated_data(dm) -> None:
+    """A preview renders the rows of a dataset (StaticDataModule); an RL config's rows are generated
+    while it trains, and its data module's own checks (a batch of whole groups) would refuse the
+    preview's one-row batches with a message about a batch size the user never set."""
+    from lit_rl.data.datamodules import StaticDataModule
+
+    if not isinstance(dm, StaticDataModule):
+        kind = f"{type(dm).__module__}.{type(dm).__qualname__}"
+        raise UserError(f"lit-rl data preview shows the rows of a lit_rl.data.datamodules.StaticDataModule (a dataset "
+                        f"trained as it is); this config's data is {kind}, whose samples are generated during training "
+                        "(a run writes what it trained to <default_root_dir>/rollouts/trained.jsonl)")
+
+
 def preview(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="lit-rl data preview",
@@ -63,11 +77,17 @@ def preview(argv: list[str]) -> int:
     unknown = [a for a in overrides if a.startswith("-") and "." not in a.split("=")[0]]
     if unknown:  # not a dotted config override either: say so here, not with fit's 200-line usage
         parser.error(f"unrecognized arguments: {' '.join(unknown)} (config overrides are dotted, e.g. --data.init_args.path)")
+    if args.rows < 1:
+        raise UserError(f"--rows must be >= 1, got {args.rows}")
     dm = build_datamodule(args.config, overrides)
+    refuse_generated_data(dm)
     dm.batch_size = 1  # a preview renders rows one by one; a small file need not fill a batch
     dm.val_path = dm.val_split = None  # it shows the training rows only
     dm.setup("fit")
     renderer = dm._train.renderer
+    if not 0 <= args.start < len(renderer.rows):
+        raise UserError(f"--start {args.start} is not a row of the training data: it has {len(renderer.rows)} rows "
+                        f"(--start 0 to {len(renderer.rows) - 1})")
     color = sys.stdout.isatty() and not args.json
     stop = min(len(renderer.rows), args.start + args.rows)
     for index in range(args.start, stop):

@@ -7,13 +7,15 @@
 For users without W&B: it reads every `logs/version_*/metrics.csv` (the trainer) and
 `eval_metrics.csv` (the evaluator) of the run, resumed launches included. A fresh `fit` in the
 same directory (no `ckpt_path`) starts the curves again: the launches before it trained weights
-that run replaced.
+that run replaced. A `lit-rl validate` launch is drawn at the step of the checkpoint it validated
+(where the fit's own validation of it would be), or left out when that step is unknown.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,16 +26,23 @@ DEFAULT_METRICS = ("train/loss", "train/tokens_per_s", "val/loss")
 
 def collect(run_dir: Path) -> dict[str, dict[int, float]]:
     """metric -> {step: value}; a later launch (a resume) overrides the same step, and a later
-    fresh training run replaces what came before it."""
+    fresh training run replaces what came before it. A launch that trained nothing (`lit-rl
+    validate`, which Lightning logs at step 0) is drawn at the step of the weights it validated
+    (`validated_step`), or left out when that is unknown."""
     series: dict[str, dict[int, float]] = defaultdict(dict)
-    for log_dir in sorted(run_dir.glob("logs/version_*"), key=lambda p: int(p.name.split("_")[-1])):
+    for log_dir in launches(run_dir):
         rows = list(csv.DictReader(open(log_dir / "metrics.csv"))) if (log_dir / "metrics.csv").is_file() else []
-        if fresh_training(log_dir, rows):
-            series.clear()
+        saved = saved_config(log_dir)
+        trained = any(k.startswith("train/") and v not in ("", None) for r in rows for k, v in r.items())
+        if trained and saved is not None and "ckpt_path" in saved and saved["ckpt_path"] is None:
+            series.clear()  # a fresh training run: the launches before it trained weights it replaced
+        at = None if trained else validated_step(run_dir, log_dir, saved)
+        if not trained and at is None:
+            rows = []
         for row in rows:
             for name, value in row.items():
                 if name not in ("step", "epoch") and value not in ("", None):
-                    series[name][int(row["step"])] = float(value)
+                    series[name][int(row["step"]) if at is None else at] = float(value)
         for row in read_eval_metrics(log_dir):
             series[row["name"]][row["step"]] = row["value"]
     for row in read_eval_metrics(run_dir / "evals"):  # standalone `lit-rl evaluate` runs
@@ -41,19 +50,53 @@ def collect(run_dir: Path) -> dict[str, dict[int, float]]:
     return series
 
 
-def fresh_training(log_dir: Path, rows: list[dict]) -> bool:
-    """Whether the launch logged here trained from the start: its saved config has no
-    `ckpt_path` and it logged training metrics (a `lit-rl validate` logs none)."""
+def launches(run_dir: Path) -> list[Path]:
+    """The `logs/version_N` directories Lightning's CSVLogger wrote, oldest first; other folders
+    there (a user's `version_0_old`) are not launches of this run."""
+    found = [(int(m.group(1)), p) for p in run_dir.glob("logs/version_*") if (m := re.fullmatch(r"version_(\d+)", p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def saved_config(log_dir: Path) -> dict | None:
+    """The config the launch saved (LightningCLI's `config.yaml`), or None."""
     import yaml
 
-    config = log_dir / "config.yaml"
-    if not config.is_file() or not any(k.startswith("train/") and v not in ("", None) for r in rows for k, v in r.items()):
-        return False
     try:
-        saved = yaml.safe_load(config.read_text()) or {}
-    except yaml.YAMLError:
-        return False
-    return isinstance(saved, dict) and "ckpt_path" in saved and saved["ckpt_path"] is None
+        saved = yaml.safe_load((log_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return saved if isinstance(saved, dict) else None
+
+
+def validated_step(run_dir: Path, log_dir: Path, saved: dict | None) -> int | None:
+    """Where to draw what a launch that trained nothing logged: at the step where a fit logs its own
+    validation of the same weights (N - 1 for a checkpoint of N optimizer steps: Lightning numbers
+    logged steps from 0), so a validated checkpoint lands on the curve where it was trained. Step 0
+    without a checkpoint (the config's model, untrained). None, left out, when the step is unknown:
+    no saved config, a checkpoint that is gone or was rewritten after the launch (a later resume
+    saved `last.ckpt` again), or one that cannot be read."""
+    if saved is None or "ckpt_path" not in saved:
+        return None
+    if saved["ckpt_path"] is None:
+        return 0
+    path = run_dir / "checkpoints" / "last.ckpt" if saved["ckpt_path"] == "last" else Path(saved["ckpt_path"])
+    named = re.search(r"step=(\d+)", path.name)  # Lightning's ModelCheckpoint names: epoch=0-step=100.ckpt
+    step = int(named.group(1)) if named else checkpoint_step(path, written_before=log_dir / "metrics.csv")
+    return None if step is None else max(step - 1, 0)
+
+
+def checkpoint_step(path: Path, written_before: Path) -> int | None:
+    """The optimizer step a checkpoint was saved at, if it is still the file it was when
+    `written_before` was written. Read with mmap: the weights are not loaded."""
+    meta = path / "meta.pt" if path.is_dir() else path  # a sharded checkpoint keeps its step in meta.pt
+    try:
+        if meta.stat().st_mtime > written_before.stat().st_mtime:
+            return None
+        import torch
+
+        return int(torch.load(meta, map_location="cpu", mmap=True, weights_only=False)["global_step"])
+    except (OSError, RuntimeError, KeyError, TypeError, ValueError, EOFError):
+        return None
 
 
 def plot(runs: dict[str, dict[str, dict[int, float]]], names: list[str], out: Path, title: str) -> dict[str, list[str]]:
@@ -114,6 +157,7 @@ def main(argv: list[str]) -> None:
         out = Path(args.out)
     else:
         out = run_dirs[0] / "report.png" if len(run_dirs) == 1 else run_dirs[0].parent / "report.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
     drawn = plot(runs, names, out, title=str(run_dirs[0]) if len(run_dirs) == 1 else f"{len(run_dirs)} runs")
     print(f"wrote {out} ({', '.join(names)})")
     for name, labels in drawn.items():

@@ -44,7 +44,7 @@ from lit_rl.lora import (
 from lit_rl.losses import masked_cross_entropy_sum, shifted_token_logprobs, token_entropy
 from lit_rl.modules.model_loading import load_causal_lm, turn_off_dropout
 from lit_rl.modules.step import TrainingStep, trained_tokens
-from lit_rl.optim import build_lr_scheduler, trainer_total_steps
+from lit_rl.optim import build_lr_scheduler, config_values_of, trainer_total_steps
 from lit_rl.sampling_process import RAW, SamplingProcess
 from lit_rl.sharding import FSDP2Options, apply_fsdp2, body, is_sharded
 
@@ -359,11 +359,13 @@ class CausalLMModule(TrainingStep, L.LightningModule):
 
     def configure_optimizers(self):
         # only what trains: a LoRA adapter's weights, not the frozen base (no optimizer state for it)
-        optimizer = self.optimizer_factory([p for p in self.parameters() if p.requires_grad])
+        with config_values_of("model.init_args.optimizer"):
+            optimizer = self.optimizer_factory([p for p in self.parameters() if p.requires_grad])
         if self.scheduler_factory is None:
             return optimizer
         # The schedule's length defaults to the trainer's optimizer steps (lit_rl/optim.py says why this way).
-        scheduler = build_lr_scheduler(self.scheduler_factory, optimizer, trainer_total_steps(self._trainer))
+        with config_values_of("model.init_args.lr_scheduler"):
+            scheduler = build_lr_scheduler(self.scheduler_factory, optimizer, trainer_total_steps(self._trainer))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ---- the algorithm's part ------------------------------------------------------------
