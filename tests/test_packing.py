@@ -196,8 +196,9 @@ def test_build_step_stats_and_micro_batches(packing):
     assert len(step["micro_batches"]) == len(mbs) == 1
     assert all(torch.equal(step["micro_batches"][0][k], v) for k, v in mbs[0].items())
     slots = {"padded": 3 * 10, "packed": 21}[packing]
-    assert step["stats"] == {"rows": 3.0, "micro_batches": 1.0, "truncated_rows": 1.0, "padding_fraction": pytest.approx(1 - 21 / slots)}
+    assert step["stats"] == {"rows": 3.0, "micro_batches": 1.0, "truncated_rows": 1.0, "padding_fraction": pytest.approx(1 - 21 / slots),
+                             "_token_slots": float(slots)}
     assert build_step([], micro_batch_tokens=64, packing=packing) == {
         "micro_batches": [],
-        "stats": {"rows": 0.0, "micro_batches": 0.0, "truncated_rows": 0.0, "padding_fraction": 0.0},
+        "stats": {"rows": 0.0, "micro_batches": 0.0, "truncated_rows": 0.0, "padding_fraction": 0.0, "_token_slots": 0.0},
     }

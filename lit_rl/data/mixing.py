@@ -103,5 +103,6 @@ def build_mixed_step(parts: Sequence[tuple[Part, Sequence[Sample]]], *, micro_ba
         "micro_batches": float(len(micro_batches)),
         "truncated_rows": truncated,
         "padding_fraction": padding_fraction(micro_batches, sum(len(s) for _, ss in parts for s in ss)),
+        "_token_slots": float(sum(mb["input_ids"].numel() for mb in micro_batches)),
     })
     return {"micro_batches": micro_batches, "stats": stats, "parts": [(p.name, p.loss) for p, _ in parts]}

@@ -17,7 +17,9 @@ def build_step(samples: Sequence[Sample], *, micro_batch_tokens: int, packing: s
     """Pack `samples` and measure the step: `{"micro_batches": [...], "stats": {...}}`.
 
     `sequence_ids` in the micro-batches index into `samples`. Stats (floats, logged as
-    `train/<name>`): `rows`, `micro_batches`, `truncated_rows`, `padding_fraction`.
+    `train/<name>`): `rows`, `micro_batches`, `truncated_rows`, `padding_fraction`; and
+    `_token_slots` (the micro-batches' size, not logged: the step sums the counts and the padding
+    over ranks with it, `TrainingStep`).
     """
     micro_batches = pack_micro_batches(samples, micro_batch_tokens=micro_batch_tokens, mode=packing, pack_length=pack_length)
     stats = {
@@ -25,5 +27,6 @@ def build_step(samples: Sequence[Sample], *, micro_batch_tokens: int, packing: s
         "micro_batches": float(len(micro_batches)),
         "truncated_rows": float(sum(s.truncated for s in samples)),
         "padding_fraction": padding_fraction(micro_batches, sum(len(s) for s in samples)),
+        "_token_slots": float(sum(mb["input_ids"].numel() for mb in micro_batches)),
     }
     return {"micro_batches": micro_batches, "stats": stats}

@@ -215,8 +215,9 @@ class TrainingStep:
                   start: float, compute_start: float) -> torch.Tensor:
         """Log the step (one collective for every sum; every rank logs the same names); its loss:
         the sum over parts of each part's loss sum over its normaliser."""
+        shares = rank_shares(batch.get("stats", {}))
         totals = self._sum_named_over_ranks({name: torch.stack([torch.as_tensor(v, dtype=torch.float32, device=self.device)
-                                                               for v in pair]) for name, pair in sums.items()})
+                                                               for v in pair]) for name, pair in {**sums, **shares}.items()})
         parts = sorted(name.removeprefix("loss_sum/") for name in totals if name.startswith("loss_sum/"))
         part_loss = {p: totals[f"loss_sum/{p}"][0] / counts[f"normaliser/{p}"].clamp(min=1.0) for p in parts}
         loss = sum(part_loss.values())
@@ -231,13 +232,13 @@ class TrainingStep:
             "train/compute_s": self._last_step_end - compute_start,  # forward, backward and optimizer
         }
         metrics.update({f"train/{name}": total[0] / total[1].clamp(min=1.0) for name, total in totals.items()
-                        if not name.startswith("loss_sum/")})
+                        if not name.startswith(("loss_sum/", "share/"))})
         if batch.get("parts"):  # a mixed step: each source's own mean loss and trained tokens
             metrics.update({f"train/{p}/loss": part_loss[p] for p in parts})
             metrics.update({f"train/{p}/tokens": counts[f"tokens/{p}"] for p in parts})
         if self._loss_scaler() is not None:  # the scale after this step: halved at every fp16 overflow
             metrics["train/loss_scale"] = float(self._loss_scaler().get_scale())
-        metrics.update({f"train/{k}": v for k, v in batch.get("stats", {}).items()})
+        metrics.update({f"train/{k}": v for k, v in step_stats(batch.get("stats", {}), totals).items()})
         metrics.update(batch.get("metrics", {}))  # full names, e.g. rollout/... from a rollout data module
         self.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, batch_size=1)
         self.log("loss", loss, prog_bar=True, logger=False, batch_size=1)
@@ -255,6 +256,35 @@ class TrainingStep:
             self.step_totals = None
         grad_norm, lr = self._optimizer_step()
         return self._log_step(batch, counts, sums, grad_norm, lr, start, compute_start)
+
+
+#: the data stats that count this rank's share of the step (and each source's `<name>/rows`)
+RANK_COUNTS = ("rows", "micro_batches", "truncated_rows", "skipped_rows")
+
+
+def rank_shares(stats: dict) -> dict[str, list[float]]:
+    """The data stats that count this rank's share of the step, as `[value, 0]` pairs for the
+    step's one collective (`share/<name>`); the padding too, in token slots."""
+    shares = {f"share/{k}": [v, 0.0] for k, v in stats.items() if k in RANK_COUNTS or k.endswith("/rows")}
+    if "_token_slots" in stats:
+        slots = stats["_token_slots"]
+        shares["share/_token_slots"] = [slots, 0.0]
+        shares["share/_padded_slots"] = [stats.get("padding_fraction", 0.0) * slots, 0.0]
+    return shares
+
+
+def step_stats(stats: dict, totals: dict) -> dict:
+    """The step's data stats as logged: those counting a rank's share summed over ranks (so they
+    are the step's under DDP/FSDP as in one process), the padding fraction of all ranks' slots, the
+    rest (rollout stats, from the whole batch on every rank) as they are; none starting with "_"."""
+    out = {k: v for k, v in stats.items() if not k.startswith("_")}
+    for name, total in totals.items():
+        if name.startswith("share/") and not name.startswith("share/_"):
+            out[name.removeprefix("share/")] = total[0]
+    if "share/_token_slots" in totals:
+        slots = totals["share/_token_slots"][0]
+        out["padding_fraction"] = totals["share/_padded_slots"][0] / slots.clamp(min=1.0)
+    return out
 
 
 def peak_memory_gb(device: torch.device) -> float:
