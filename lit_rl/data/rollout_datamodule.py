@@ -535,9 +535,16 @@ class RolloutDataModule(L.LightningDataModule):
             self.mix.rollout_count(self.batch_size), self.group_size, self.max_concurrency,
             self.max_staleness if self.source == "policy" else 1, drop_stale=self.drop_stale,
             num_batches=self._num_batches(), updates_per_batch=self.updates_per_batch)
-        # (a max_steps below the batches drawn is left out: such a resume ends at once, as an SFT run's)
-        return [f"{RESUMED_FLAGS[name]}: {detail.replace('scheduler has', 'this run has')}"
-                for name, detail in (p.split(": ", 1) for p in scheduler.resume_problems(saved)) if name != "num_batches"]
+        problems = []
+        for name, detail in (p.split(": ", 1) for p in scheduler.resume_problems(saved)):
+            if name == "num_batches":  # a max_steps below the batches drawn: the resume ends at once, as an SFT run's
+                continue
+            problems.append(f"{RESUMED_FLAGS[name]}: {detail.replace('scheduler has', 'this run has')}")
+            if name == "batch_size" and self.mix.split:
+                problems[-1] += (f" rollout samples per step (their share of data.batch_size {self.batch_size} beside "
+                                 f"the replay sources, in whole groups split evenly over the {self.trainer.world_size} "
+                                 "rank(s): another number of ranks can change it)")
+        return problems
 
 
 #: the scheduler's saved options by the flag that sets them
