@@ -136,12 +136,17 @@ class LitRLCLI(LightningCLI):
 
     def _refuse_unreadable_checkpoint(self, e: BaseException) -> None:
         """torch's error on a checkpoint file cut short (a full disk, a copy that stopped) is a
-        traceback from inside Lightning; say which checkpoint, and what to do."""
+        traceback from inside Lightning; say which checkpoint, and what to do. So is the error on a
+        sharded checkpoint (FSDP2's: a directory) read by another strategy."""
+        subcommand = self.config.get("subcommand")
+        given = (self.config.get(subcommand) or {}).get("ckpt_path") if subcommand else None
         if isinstance(e, RuntimeError) and "PytorchStreamReader failed" in str(e):
-            subcommand = self.config.get("subcommand")
-            given = (self.config.get(subcommand) or {}).get("ckpt_path") if subcommand else None
             raise UserError(f"cannot read the checkpoint (--ckpt_path {given}): it is truncated or corrupt "
                             f"({str(e).split('. ')[0]}); fix: resume from another checkpoint, or start a fresh run") from e
+        if isinstance(e, IsADirectoryError) and (Path(e.filename or "") / ".metadata").is_file():
+            raise UserError(f"the checkpoint {e.filename} (--ckpt_path {given}) is a sharded FSDP2 checkpoint, a "
+                            "directory that only the FSDP2 strategy reads; fix: resume with --config "
+                            "configs/strategies/fsdp2.yaml (any --trainer.devices, 1 included)") from e
 
     def _instantiate_trainer(self, config, callbacks):
         from lit_rl.callbacks.export import HFExport

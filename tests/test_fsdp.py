@@ -132,6 +132,12 @@ def test_sharded_resume_continues_exactly(runs):
     split = tmp / "split"
     ok(sharded(split, data, 1))
     assert (split / "checkpoints" / "last.ckpt").is_dir()  # sharded: one file per rank
+    # resumed without the strategy that reads it: one message saying which, the checkpoint kept
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in (split / "checkpoints" / "last.ckpt").iterdir())
+    out = run(fit(split, data, 2, "--ckpt_path", "last"))
+    assert out.returncode == 1 and "is a sharded FSDP2 checkpoint" in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "configs/strategies/fsdp2.yaml" in out.stderr
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (split / "checkpoints" / "last.ckpt").iterdir()) == before
     ok(sharded(split, data, 2, "--ckpt_path", "last"))
     straight, resumed = metrics(tmp / "two"), metrics(split)
     assert [resumed[s]["train/loss"] for s in (0, 1)] == [straight[s]["train/loss"] for s in (0, 1)]
