@@ -7,8 +7,9 @@ restores a sharded checkpoint inside `load_checkpoint`, before any module hook r
 `torch.distributed.checkpoint` for every tensor of the model, so a checkpoint without the base
 would stop there with "Missing key". This subclass, which configs/strategies/fsdp2.yaml names, loads
 only the trainable tensors (and the optimizer state) from a sharded checkpoint that left the frozen
-ones out; the module's `on_load_checkpoint` then checks that the base it was loaded with is the one
-the adapter was trained on. Everything else is Lightning's. Lightning's own class still works, with
+ones out, or from one file that did (a LoRA run of one process or DDP, resumed under FSDP2); the
+module's `on_load_checkpoint` then checks that the base it was loaded with is the one the adapter
+was trained on. Everything else is Lightning's. Lightning's own class still works, with
 the whole module in every checkpoint; so does `save_distributed_checkpoint: false` (one file).
 """
 
@@ -46,6 +47,8 @@ class ModelParallelStrategy(LightningModelParallelStrategy):
         module = self.lightning_module
         frozen = frozen_parameter_names(module) if has_adapter(getattr(module, "model", None)) else set()
         if not _is_sharded_checkpoint(path):
+            if frozen and _leaves_out(path, frozen, module, weights_only):  # one process's or DDP's LoRA checkpoint
+                return self._load_without_base(path, weights_only)
             return super().load_checkpoint(path, weights_only=weights_only)
         stored = _stored(path)
         if not frozen:
@@ -68,6 +71,40 @@ class ModelParallelStrategy(LightningModelParallelStrategy):
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optimizer_state[key],
                                      options=StateDictOptions(cpu_offload=True))
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+
+    def _load_without_base(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        """Lightning's loading of a one-file checkpoint (`_load_checkpoint`), for one that left the
+        frozen base out (written in one process or under DDP): the base stays as the model loaded it
+        (`on_load_checkpoint` checks its fingerprint; `_leaves_out` checked the rest), and the
+        optimizer's state, kept by position over the trainable parameters only, is keyed by their
+        names here (Lightning's rekeying counts every parameter, the frozen ones too, and puts the
+        adapter's state on the wrong tensors)."""
+        from lightning.fabric.strategies.model_parallel import _load_raw_module_state
+
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=bool(weights_only))
+        _load_raw_module_state(checkpoint.pop("state_dict"), self.model, strict=False)
+        trainable = [name for name, p in self.model.named_parameters() if p.requires_grad]
+        options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True)
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):  # left in, as Lightning does
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=_by_name(state, trainable), options=options)
+        return checkpoint
+
+
+def _by_name(state: dict, names: list[str]) -> dict:
+    """A torch optimizer's state dict keyed by position (its `state_dict()`) keyed by `names` instead."""
+    return {"state": {names[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]]}
+
+
+def _leaves_out(path: Path, frozen: set[str], module, weights_only: bool | None) -> bool:
+    """Whether the one-file checkpoint at `path` holds every tensor of `module` but (some of) the
+    frozen ones, as lit-rl's LoRA checkpoints do; a key missing beyond those is an error."""
+    saved = torch.load(path, map_location="cpu", mmap=True, weights_only=bool(weights_only))["state_dict"].keys()
+    missing = set(module.state_dict()) - set(saved)
+    if missing - frozen:
+        raise RuntimeError(f"{path}: the checkpoint lacks {sorted(missing - frozen)[:3]} of this model")
+    return bool(missing)
 
 
 def _stored(path: Path) -> set[str]:

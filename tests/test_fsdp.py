@@ -248,6 +248,20 @@ def test_lora_under_fsdp2_trains_as_one_process(lora_runs):
     assert not (tmp / "lora_two" / "weights" / "step_2" / "model.safetensors").exists()
 
 
+def test_a_one_process_lora_checkpoint_resumes_under_fsdp2(lora_runs):
+    """A LoRA checkpoint of one process holds the adapter without the frozen base (one file):
+    resumed under FSDP2 (2 ranks), the base comes from the model and the run goes on as the
+    one-process run did (it stopped at Lightning's strict load: the base's keys were missing)."""
+    tmp, data = lora_runs
+    cross = tmp / "lora_cross"
+    ok(fit(cross, data, 1, *LORA))
+    ok(sharded(cross, data, 2, "--ckpt_path", "last", *LORA))
+    a, b = adapter(tmp / "lora_one", 2), adapter(cross, 2)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=ATOL, rtol=0, msg=k)
+
+
 def test_a_sharded_lora_checkpoint_leaves_the_base_out_and_resumes_exactly(lora_runs):
     """lit-rl's FSDP2 strategy (fsdp2.yaml) writes a LoRA run's shards without the frozen base,
     with the whole base's fingerprint, and a resume loads the adapter and its optimizer state
