@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import TINY_MODEL
+from helpers import TINY_MODEL, reverse_rows, write_jsonl
 from transformers import AutoTokenizer
 
 from lit_rl.inference.client import (
@@ -733,12 +733,17 @@ def test_ctrl_c_stops_evaluate_at_once_while_it_waits_for_a_checkpoint_or_its_se
     the second a KeyboardInterrupt traceback with exit 1)."""
     import psutil
 
+    data = write_jsonl(tmp_path / "test.jsonl", reverse_rows(2))
+
     def evaluate(run_dir: Path, *more: str) -> subprocess.Popen:
-        env_args = json.dumps({"num_examples": 2, "path": str(Path("examples/reverse_text/data/test.jsonl").resolve())})
+        env_args = json.dumps({"num_examples": 2, "path": data})
+        # SIGINT as a terminal's foreground process has it: a shell running the suite in the background
+        # (`.ci/run &`) starts its children with SIGINT ignored, and Python then makes no KeyboardInterrupt
         return subprocess.Popen(
             [sys.executable, "-m", "lit_rl.cli", "evaluate", "--run-dir", str(run_dir), "--env",
              "lit_rl.rollouts.ReverseTextEnv", "--env-args", env_args, "--log-dir", str(run_dir / "evals"), *more],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
             env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
     def ctrl_c(proc: subprocess.Popen, when: Callable[[], bool]) -> None:

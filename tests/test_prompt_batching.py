@@ -95,9 +95,12 @@ def test_a_cancelled_call_drops_out_and_the_request_ends_when_all_are_cancelled(
                 await calls[1]
             batcher = client._batchers["generate"]
             # every call of a request cancelled: the request is cancelled too
-            doomed = [asyncio.ensure_future(client.generate(p, max_tokens=200, ignore_eos=True)) for p in PROMPTS[:2]]
-            await asyncio.sleep(0.05)
-            in_flight = set(batcher._in_flight)
+            doomed = [asyncio.ensure_future(client.generate(p, max_tokens=900, ignore_eos=True)) for p in PROMPTS[:2]]
+            in_flight = set()
+            for _ in range(500):  # until their request is sent (900 tokens: it is still running when cancelled)
+                await asyncio.sleep(0.01)
+                if in_flight := {task for task in batcher._in_flight if not task.done()}:
+                    break
             for call in doomed:
                 call.cancel()
             await asyncio.gather(*doomed, return_exceptions=True)

@@ -169,6 +169,7 @@ def run(args: argparse.Namespace) -> None:
 
     root = run_root(args)
     plan = load_plan(args, root)
+    key = api_key(args)
     envs = None
     if not args.follow:  # a user's command: a wrong class path or init arg is said before any server starts
         # (Beside training, OnlineEval's plan was built by the trainer already; there they are built
@@ -180,7 +181,6 @@ def run(args: argparse.Namespace) -> None:
         if problems := [problem for env in envs if (problem := env.tasks_problem())]:  # rows read, a bad one named
             raise UserError("--env / --env-args or the plan's environments: " + "; ".join(problems))
     server_kwargs = with_gpu_split(checked_server_options(args.server, None if args.base_url else envs))
-    key = api_key(args)
     logger = EvalLogger(args.log_dir or evals_dir(root), args.wandb)
     model = None
     if args.base_url and not args.follow:
