@@ -490,10 +490,11 @@ def test_a_teacher_with_the_policys_context_scores_every_sample_the_policy_draws
     buffer = make_buffer(vllm_server, env, batch_size=4, num_batches=1, max_staleness=None,
                          teacher=vllm_server.client, on_failure="raise")
     (batch,) = asyncio.run(collect(buffer))
-    for s in batch:
-        assert len(s) == 1023 and s.finish_reason == "length"  # cut to leave the teacher its token
+    for s in batch:  # cut to leave the teacher its token (or ended by a sampled end-of-turn before it)
+        assert len(s) == 1023 if s.finish_reason == "length" else len(s) < 1023
         n = s.loss_mask.index(True)
         assert len(s.teacher_logprobs) == len(s) and all(lp < 0 for lp in s.teacher_logprobs[n:])
+    assert any(s.finish_reason == "length" for s in batch)  # a random model stops within ~14 tokens 1 time in ~10
     assert buffer.metrics()["rollout/rejected"] == 0
 
 
