@@ -47,8 +47,10 @@ class ModelParallelStrategy(LightningModelParallelStrategy):
         module = self.lightning_module
         frozen = frozen_parameter_names(module) if has_adapter(getattr(module, "model", None)) else set()
         if not _is_sharded_checkpoint(path):
-            if frozen and _leaves_out(path, frozen, module, weights_only):  # one process's or DDP's LoRA checkpoint
-                return self._load_without_base(path, weights_only)
+            if frozen:  # one process's or DDP's LoRA checkpoint leaves the base out
+                checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+                if _leaves_out(path, checkpoint["state_dict"], frozen, module):
+                    return self._load_without_base(checkpoint)
             return super().load_checkpoint(path, weights_only=weights_only)
         stored = _stored(path)
         if not frozen:
@@ -72,8 +74,7 @@ class ModelParallelStrategy(LightningModelParallelStrategy):
                                      options=StateDictOptions(cpu_offload=True))
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
-
-    def _load_without_base(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+    def _load_without_base(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Lightning's loading of a one-file checkpoint (`_load_checkpoint`), for one that left the
         frozen base out (written in one process or under DDP): the base stays as the model loaded it
         (`on_load_checkpoint` checks its fingerprint; `_leaves_out` checked the rest), and the
@@ -82,7 +83,6 @@ class ModelParallelStrategy(LightningModelParallelStrategy):
         adapter's state on the wrong tensors)."""
         from lightning.fabric.strategies.model_parallel import _load_raw_module_state
 
-        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=bool(weights_only))
         _load_raw_module_state(checkpoint.pop("state_dict"), self.model, strict=False)
         trainable = [name for name, p in self.model.named_parameters() if p.requires_grad]
         options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True)
@@ -97,10 +97,10 @@ def _by_name(state: dict, names: list[str]) -> dict:
             "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]]}
 
 
-def _leaves_out(path: Path, frozen: set[str], module, weights_only: bool | None) -> bool:
-    """Whether the one-file checkpoint at `path` holds every tensor of `module` but (some of) the
-    frozen ones, as lit-rl's LoRA checkpoints do; a key missing beyond those is an error."""
-    saved = torch.load(path, map_location="cpu", mmap=True, weights_only=bool(weights_only))["state_dict"].keys()
+def _leaves_out(path: Path, saved: dict, frozen: set[str], module) -> bool:
+    """Whether the state dict `saved` of the one-file checkpoint at `path` holds every tensor of
+    `module` but (some of) the frozen ones, as lit-rl's LoRA checkpoints do; a key missing beyond
+    those is an error."""
     missing = set(module.state_dict()) - set(saved)
     if missing - frozen:
         raise RuntimeError(f"{path}: the checkpoint lacks {sorted(missing - frozen)[:3]} of this model")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import pickle
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -94,8 +95,8 @@ def checkpoint_step(path: Path, written_before: Path) -> int | None:
             return None
         import torch
 
-        return int(torch.load(meta, map_location="cpu", mmap=True, weights_only=False)["global_step"])
-    except (OSError, RuntimeError, KeyError, TypeError, ValueError, EOFError):
+        return int(torch.load(meta, map_location="cpu", mmap=True, weights_only=True)["global_step"])
+    except (OSError, RuntimeError, KeyError, TypeError, ValueError, EOFError, pickle.UnpicklingError):
         return None
 
 
