@@ -22,6 +22,7 @@ from lit_rl.errors import ConfigError
 from lit_rl.run_seed import order_seed, saved_order_seed
 
 PACKING_MODES = ("padded", "packed")
+BAD_ROW_POLICIES = ("error", "skip")
 
 
 def layout_problems(packing: str, micro_batch_tokens: int, pack_length: int | None) -> list[str]:
@@ -34,7 +35,6 @@ def layout_problems(packing: str, micro_batch_tokens: int, pack_length: int | No
         problems.append(f"data.pack_length ({pack_length}) exceeds data.micro_batch_tokens ({micro_batch_tokens}): "
                         "one packed row would break the micro-batch memory bound")
     return problems
-BAD_ROW_POLICIES = ("error", "skip")
 
 
 def resolve_tokenizer_name(data_module: L.LightningDataModule) -> str:

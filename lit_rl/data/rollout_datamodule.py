@@ -328,13 +328,7 @@ class RolloutDataModule(L.LightningDataModule):
         buffer = RolloutBuffer(
             self.env, runtime.client_factory(self.source, tokenizer=tokenizer), tokenizer,
             TrainSampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k),
-            batch_size=self.mix.rollout_count(self.batch_size), group_size=self.group_size,
-            max_concurrency=self.max_concurrency,
-            # The teacher's samples never age; for them the bound keeps generation at most a batch
-            # ahead of training (the buffer advances its version as batches are drawn).
-            max_staleness=self.max_staleness if self.source == "policy" else 1,
-            drop_stale=self.drop_stale, num_batches=self._num_batches(), updates_per_batch=self.updates_per_batch,
-            num_retries=self.num_retries, on_failure=self.on_failure, scale=self.scale,
+            **self._scheduler_options(), num_retries=self.num_retries, on_failure=self.on_failure, scale=self.scale,
             max_consecutive_failures=self.max_consecutive_failures,
             skip_zero_advantage=self.skip_zero_advantage, filters=filters,
             requests_per_minute=self.requests_per_minute, seed=self.task_order_seed,
@@ -528,13 +522,18 @@ class RolloutDataModule(L.LightningDataModule):
         self.mix.load_state_dict(state.get("replay"))
         self._held = HeldBatch.from_state(state["held_batch"]) if "held_batch" in state else None
 
+    def _scheduler_options(self) -> dict:
+        """The rollout buffer's batch shape and staleness bound (its `StalenessScheduler`'s options)."""
+        return dict(batch_size=self.mix.rollout_count(self.batch_size), group_size=self.group_size,
+                    max_concurrency=self.max_concurrency,
+                    # The teacher's samples never age; for them the bound keeps generation at most a batch
+                    # ahead of training (the buffer advances its version as batches are drawn).
+                    max_staleness=self.max_staleness if self.source == "policy" else 1,
+                    drop_stale=self.drop_stale, num_batches=self._num_batches(), updates_per_batch=self.updates_per_batch)
 
     def _resume_problems(self, saved: dict) -> list[str]:
         """What of the rollouts' saved state this run's options cannot continue, by their flags."""
-        scheduler = StalenessScheduler(
-            self.mix.rollout_count(self.batch_size), self.group_size, self.max_concurrency,
-            self.max_staleness if self.source == "policy" else 1, drop_stale=self.drop_stale,
-            num_batches=self._num_batches(), updates_per_batch=self.updates_per_batch)
+        scheduler = StalenessScheduler(**self._scheduler_options())
         problems = []
         for name, detail in (p.split(": ", 1) for p in scheduler.resume_problems(saved)):
             if name == "num_batches":  # a max_steps below the batches drawn: the resume ends at once, as an SFT run's
