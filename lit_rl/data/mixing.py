@@ -21,7 +21,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lit_rl.data.packing import padding_fraction
+from lit_rl.data.packing import padding_fraction, token_slots
 from lit_rl.data.samples import Sample
 from lit_rl.data.step_builder import build_step
 
@@ -103,6 +103,6 @@ def build_mixed_step(parts: Sequence[tuple[Part, Sequence[Sample]]], *, micro_ba
         "micro_batches": float(len(micro_batches)),
         "truncated_rows": truncated,
         "padding_fraction": padding_fraction(micro_batches, sum(len(s) for _, ss in parts for s in ss)),
-        "_token_slots": float(sum(mb["input_ids"].numel() for mb in micro_batches)),
+        "_token_slots": float(token_slots(micro_batches)),
     })
     return {"micro_batches": micro_batches, "stats": stats, "parts": [(p.name, p.loss) for p, _ in parts]}

@@ -146,6 +146,11 @@ def pack_micro_batches(
     return batches
 
 
+def token_slots(micro_batches: Sequence[dict[str, torch.Tensor]]) -> int:
+    """The micro-batches' size in tokens, padding included."""
+    return sum(mb["input_ids"].numel() for mb in micro_batches)
+
+
 def padding_fraction(micro_batches: Sequence[dict[str, torch.Tensor]], real_tokens: int) -> float:
-    slots = sum(mb["input_ids"].numel() for mb in micro_batches)
+    slots = token_slots(micro_batches)
     return 0.0 if slots == 0 else 1.0 - real_tokens / slots

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lit_rl.data.packing import pack_micro_batches, padding_fraction
+from lit_rl.data.packing import pack_micro_batches, padding_fraction, token_slots
 from lit_rl.data.samples import Sample
 
 
@@ -27,6 +27,6 @@ def build_step(samples: Sequence[Sample], *, micro_batch_tokens: int, packing: s
         "micro_batches": float(len(micro_batches)),
         "truncated_rows": float(sum(s.truncated for s in samples)),
         "padding_fraction": padding_fraction(micro_batches, sum(len(s) for s in samples)),
-        "_token_slots": float(sum(mb["input_ids"].numel() for mb in micro_batches)),
+        "_token_slots": float(token_slots(micro_batches)),
     }
     return {"micro_batches": micro_batches, "stats": stats}
