@@ -730,7 +730,8 @@ def test_ctrl_c_stops_evaluate_at_once_while_it_waits_for_a_checkpoint_or_its_se
     exit 130 and no traceback, and stops the server it was starting. Before: the waits for the first
     checkpoint and for the server's health were blocking loops inside asyncio.run, which turns a
     Ctrl-C into a task cancel that nothing noticed until the next await (the first Ctrl-C ignored,
-    the second a KeyboardInterrupt traceback with exit 1)."""
+    the second a KeyboardInterrupt traceback with exit 1). Likewise while it restarts a server that
+    died: before, the restart (in a thread) ran on until the new server was healthy."""
     import psutil
 
     data = write_jsonl(tmp_path / "test.jsonl", reverse_rows(2))
@@ -746,20 +747,23 @@ def test_ctrl_c_stops_evaluate_at_once_while_it_waits_for_a_checkpoint_or_its_se
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
             env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
-    def ctrl_c(proc: subprocess.Popen, when: Callable[[], bool]) -> None:
-        """Ctrl-C a second after `when()` (in the wait it announces); exit 130 at once, no traceback."""
-        deadline = time.monotonic() + 120
+    def ctrl_c(proc: subprocess.Popen, when: Callable[[], bool], within: float = 30) -> None:
+        """Ctrl-C a second after `when()` (in the wait it announces); exit 130 `within` seconds, no traceback."""
+        deadline = time.monotonic() + 300
         while not when():
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
             time.sleep(0.2)
         time.sleep(1.0)
         os.killpg(proc.pid, signal.SIGINT)
         try:
-            out = proc.communicate(timeout=30)[0]
+            out = proc.communicate(timeout=within)[0]
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"still running 30 s after Ctrl-C: {proc.communicate()[0][-3000:]}")
+            pytest.fail(f"still running {within} s after Ctrl-C: {proc.communicate()[0][-3000:]}")
         assert proc.returncode == 130 and "Traceback" not in out and "stopped (Ctrl-C)" in out, out[-3000:]
+
+    def own_sessions(proc: subprocess.Popen) -> list[int]:  # its vLLM servers run in sessions of their own
+        return [c.pid for c in psutil.Process(proc.pid).children() if os.getpgid(c.pid) == c.pid]
 
     waiting = tmp_path / "waiting"  # --follow, before any checkpoint: evals/ is made just before the wait
     ctrl_c(evaluate(waiting, "--follow"), (waiting / "evals").is_dir)
@@ -769,8 +773,8 @@ def test_ctrl_c_stops_evaluate_at_once_while_it_waits_for_a_checkpoint_or_its_se
     proc = evaluate(starting, "--server", json.dumps({"dtype": "float32", "enforce_eager": True}))
     servers = []
 
-    def server_starting() -> bool:  # its vLLM server runs (in a session of its own) and has begun to log
-        servers[:] = [c.pid for c in psutil.Process(proc.pid).children() if os.getpgid(c.pid) == c.pid]
+    def server_starting() -> bool:  # its vLLM server runs and has begun to log
+        servers[:] = own_sessions(proc)
         log = starting / "evals" / "vllm.log"
         return bool(servers) and log.is_file() and log.stat().st_size > 0
 
@@ -780,7 +784,34 @@ def test_ctrl_c_stops_evaluate_at_once_while_it_waits_for_a_checkpoint_or_its_se
         while group_members(servers[0]) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert group_members(servers[0]) == []
+
+        # Following a run (the trainer: this process): step 0 is evaluated, then the server dies; the
+        # reload of step 1 finds it dead and the evaluator restarts it; Ctrl-C while the new one starts.
+        restarting = tmp_path / "restarting"
+        write_tiny_checkpoint(restarting / "weights" / "step_0", seed=0)
+        proc = evaluate(restarting, "--follow", "--parent-pid", str(os.getpid()), "--server",
+                        json.dumps({"dtype": "float32", "enforce_eager": True}))
+        deadline = time.monotonic() + 300
+        while not (restarting / "evals" / "done.jsonl").is_file():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.5)
+        servers[:] = own_sessions(proc)
+        os.killpg(servers[0], signal.SIGKILL)
+        write_tiny_checkpoint(restarting / "weights" / "step_1", seed=1)
+
+        def server_restarting() -> bool:  # a new server has replaced the dead one
+            servers.extend(pid for pid in own_sessions(proc) if pid not in servers)
+            return len(servers) > 1
+
+        # the restarted server is healthy 20-30 s after its start on 2 cores: 10 s tells the two apart
+        ctrl_c(proc, server_restarting, within=10)
+        deadline = time.monotonic() + 10
+        while group_members(servers[-1]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert group_members(servers[-1]) == []
     finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
         for pgid in servers:
             for pid in group_members(pgid):
                 os.kill(int(pid), signal.SIGKILL)

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -204,16 +205,30 @@ def run(args: argparse.Namespace) -> None:
 
 async def evaluate(args: argparse.Namespace, root: Path, plan: EvalPlan, envs: list | None, logger: EvalLogger,
                    endpoint) -> Evaluator:
+    """The evaluator's loop. A restart of its server runs in a thread (`ServerRestarts.recover`) and
+    gives up when `stopping` is set: by a Ctrl-C (asyncio.run cancels this task, and its exit waits
+    for that thread) or when the trainer it evaluates for is gone. Before, both waited for the
+    restarted server to be healthy: a minute or more of a Ctrl-C doing nothing."""
     from lit_rl.inference.restarts import ServerRestarts
+
+    stopping = threading.Event()
+
+    def interrupted() -> bool:
+        if args.parent_pid is not None and not pid_alive(args.parent_pid):
+            stopping.set()
+        return stopping.is_set()
 
     restarts = ServerRestarts(args.max_server_restarts, None, servers=lambda: {"evaluator": endpoint.server},
                               after_start=lambda role: "its model; the step is reloaded next",
-                              interrupted=lambda: False)
+                              interrupted=interrupted)
     async with endpoint.client() as client:
         evaluator = Evaluator(root, plan, client, logger, standalone=not args.follow, parent_pid=args.parent_pid,
                               restarts=restarts, envs=envs)
         try:
             await evaluator.run()
+        except asyncio.CancelledError:
+            stopping.set()
+            raise
         finally:
             logger.close()
     return evaluator
