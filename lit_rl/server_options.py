@@ -44,7 +44,7 @@ def server_option_problems(options: dict, where: str, also: Iterable[str] = ()) 
             close = difflib.get_close_matches(name, accepted, n=1)
             problems.append(f"{name} is not a server option{f' (did you mean {close[0]}?)' if close else ''}; "
                             f"the options are {', '.join(accepted)}")
-    if problem := extra_args_problem(options.get("extra_args", ())):
+    if problem := extra_args_problem(options.get("extra_args", ()), options.get("dev_mode", True)):
         problems.append(problem)
     return [where + problem for problem in problems]
 

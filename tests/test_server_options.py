@@ -36,3 +36,12 @@ def test_other_vllm_arguments_pass_through():
                   ["--distributed-executor-backend", "mp", "--enable-lora", "--max-loras", "1"], ["--served-model-name", "x"]):
         assert VLLMServer("m", port=9, extra_args=extra).command()[-len(extra):] == extra
         assert server_option_problems({"extra_args": extra}, where="inference.server.") == []
+
+
+def test_a_worker_extension_of_ones_own_is_allowed_when_lit_rl_passes_none():
+    """With dev_mode off (no weight reloads) lit-rl passes no --worker-extension-cls, so a user's own
+    in extra_args overrides nothing: it reaches vLLM once. Before, it was refused as lit-rl's flag."""
+    extra = ["--worker-extension-cls", "my.Ext"]
+    cmd = VLLMServer("m", port=9, dev_mode=False, extra_args=extra).command()
+    assert cmd[-2:] == extra and cmd.count("--worker-extension-cls") == 1, cmd
+    assert server_option_problems({"dev_mode": False, "extra_args": extra}, where="inference.server.") == []

@@ -86,15 +86,16 @@ def own_flag(arg) -> str | None:
     return next((flag for flag in OWN_FLAGS if name.strip("-") and flag.startswith(name)), None)
 
 
-def extra_args_problem(extra_args) -> str | None:
+def extra_args_problem(extra_args, dev_mode: bool = True) -> str | None:
     """What is wrong with a server's `extra_args`: given as one string, split into characters it
     is no vLLM argument; a flag VLLMServer passes itself (`OWN_FLAGS`) would override it unchecked.
-    None when nothing is."""
+    With `dev_mode` off it passes no worker extension, so a user's own is theirs to give. None
+    when nothing is wrong."""
     if isinstance(extra_args, str):
         return f"extra_args must be a list of vLLM arguments (e.g. [\"--max-num-seqs\", \"8\"]), got the string {extra_args!r}"
     problems = []
     for arg in extra_args:
-        if flag := own_flag(arg):
+        if (flag := own_flag(arg)) and (dev_mode or OWN_FLAGS[flag] != "dev_mode"):
             option = OWN_FLAGS[flag]
             fix = OWN_FLAG_FIX.get(option, f"use the {option} option instead")
             given = f" (as {arg!r})" if arg != flag else ""
@@ -304,7 +305,7 @@ class VLLMServer:
             )
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
             problems.append(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        if problem := extra_args_problem(extra_args):
+        if problem := extra_args_problem(extra_args, dev_mode):
             problems.append(problem)
         if spin_wait_s is not None and spin_wait_s < 0:
             problems.append(f"spin_wait_s must be >= 0, got {spin_wait_s}")
