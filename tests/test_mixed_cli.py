@@ -64,3 +64,11 @@ def test_grpo_with_replay_logs_both_losses_and_resumes_the_replay_order(vllm_ser
         # reward and policy metrics come from the rollouts only
         assert r.get("train/reward") not in (None, "") and r.get("train/policy/mismatch_kl") not in (None, "")
         assert "train/replay/mismatch_kl" not in r or r["train/replay/mismatch_kl"] in ("", None)
+    # A resume whose batch gives the rollouts another share is refused at restore, before anything is
+    # trained, naming the flag and how the replay sources split it (12 of 18 here, 8 of 12 saved).
+    third = run(grpo_args(root, data, str(vllm_server.model_dir), 5, *common, "--ckpt_path", "last",
+                          "--data.init_args.batch_size", "18"))
+    assert third.returncode == 1, third.stderr[-4000:]
+    assert ("data.batch_size: saved 8, this run has 12 rollout samples per step (their share of data.batch_size 18 "
+            "beside the replay sources") in third.stderr, third.stderr[-4000:]
+    assert len(trained(root)) == 4
