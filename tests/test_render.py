@@ -13,6 +13,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 import lit_rl.data.render as render_mod
 from lit_rl.data.render import RenderError, render_messages
+from lit_rl.data.tools import normalize_messages
 
 TINY = Path(__file__).resolve().parents[1] / "lit_rl" / "assets" / "tiny_qwen3"
 
@@ -135,6 +136,33 @@ def test_last_turn_thinking_is_target_earlier_reasoning_dropped(tok):
     # enable_thinking=False changes the generation prompt, not the in-chat header
     r2 = render_messages(tok, msgs, chat_template_kwargs={"enable_thinking": False})
     assert r2 == r
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_qwen3s_shipped_template_multi_turn_with_and_without_thinking(tok, thinking):
+    """Qwen3's own template (TRL's copy) gives only the turns after the last user message an empty
+    think block; with enable_thinking=False the generation prompt ends in that block too. Every
+    turn must still be found, and the block the generation prompt supplies is context."""
+    from importlib.resources import files
+
+    tok.chat_template = (files("trl") / "chat_templates" / "qwen3.jinja").read_text()
+    kw = {"enable_thinking": thinking}
+    call = {"name": "f", "arguments": {"x": 1}}
+    msgs = [U("a"), A("b"), U("c"), A("", tool_calls=[call]), {"role": "tool", "content": "42"}, A("d")]
+    r = render_messages(tok, msgs, chat_template_kwargs=kw)
+    think = "<think>\n\n</think>\n\n"
+    # thinking: the model emits the empty block; not thinking: the generation prompt supplies it
+    given, emitted = ("", think) if thinking else (think, "")
+    assert segments(tok, r) == [
+        (False, "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n"),
+        (True, "b<|im_end|>"),
+        (False, "\n<|im_start|>user\nc<|im_end|>\n<|im_start|>assistant\n"),
+        (True, '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call><|im_end|>'),
+        (False, "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n" + given),
+        (True, emitted + "d<|im_end|>"),
+        (False, "\n"),
+    ]
+    assert r.input_ids == full_ids(tok, normalize_messages(msgs), **kw)
 
 
 def test_agentic_reasoning_where_prefix_renders_are_not_prefixes(tok):

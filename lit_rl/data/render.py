@@ -13,7 +13,11 @@ the mask is derived from the template's own behaviour instead:
    templates such as Qwen3's drop reasoning from earlier turns, so the render of a prefix of the
    chat is not always a prefix of ``F``. A turn starts after the k-th occurrence of ``H`` when
    ``H`` occurs once per assistant message (cross-checked against prefix renders that are prefixes
-   of ``F``), else after the prefix render with a generation prompt, which must then be a prefix.
+   of ``F``; where one is, what its generation prompt adds after ``H``, such as the empty think
+   block of ``enable_thinking=False``, is context too), else after the prefix render with a
+   generation prompt, which must then be a prefix. ``H`` is the scaffold common to the generation
+   prompt, a last turn and an earlier turn (Qwen3 gives only turns after the last user message a
+   think block).
 3. A turn ends after the first ``S`` that follows its start. A template with no stop token gets
    the body end from the prefix render and the tokenizer's eos appended as a trained target.
 4. ``F`` is cut into context/target pieces, each tokenized alone; the concatenation must equal the
@@ -131,9 +135,17 @@ def _probe(tok, render: _Renderer) -> _Probe:
     before, closer = chat.split(_SENTINEL)
     h_gen = gen[len(base) :] if gen.startswith(base) else ""
     h_chat = before[len(base) :] if before.startswith(base) else ""
+    # The same turn followed by another user turn: Qwen3's template gives only the turns after the
+    # last user message an (empty) think block, so an earlier turn's header lacks it.
+    try:
+        earlier = render(user + [{"role": "assistant", "content": _SENTINEL}, {"role": "user", "content": "y"}], tools=None)
+    except RenderError:
+        earlier = ""
+    h_earlier = earlier.split(_SENTINEL)[0][len(base) :] if earlier.count(_SENTINEL) == 1 and earlier.startswith(base) else ""
     # With e.g. enable_thinking=False the generation prompt carries an empty think block that
     # in-chat turns lack; the common prefix is the scaffold every assistant turn starts with.
-    header = commonprefix([h_gen, h_chat]) if h_gen and h_chat else h_gen or h_chat
+    seen = [h for h in (h_gen, h_chat, h_earlier) if h]
+    header = commonprefix(seen) if seen else ""
     return _Probe(header=header, closer=closer, stop=_stop_text(tok, closer))
 
 
@@ -176,13 +188,18 @@ def _turn_starts(full: str, messages: list[dict], asst: list[int], probe: _Probe
     h = probe.header
     occ = _find_all(full, h) if h else []
     if h and len(occ) == len(asst):
+        starts = [o + len(h) for o in occ]
         for k, i in enumerate(asst):  # cross-check with prefix renders that are prefixes of F
             if i == 0:  # a chat that opens with the assistant: nothing before it to render (templates refuse [])
                 continue
             p = render(messages[:i], gen=True)
-            if full.startswith(p) and sum(o + len(h) <= len(p) for o in occ) != k + 1:
-                raise _impossible(i, f"the assistant header {h!r} is ambiguous")
-        return [o + len(h) for o in occ]
+            if full.startswith(p):
+                if sum(o + len(h) <= len(p) for o in occ) != k + 1:
+                    raise _impossible(i, f"the assistant header {h!r} is ambiguous")
+                # what the generation prompt adds after the header (enable_thinking=False's empty
+                # think block) is context: the model is given it, it does not emit it
+                starts[k] = max(starts[k], len(p))
+        return starts
     starts = []
     for i in asst:
         p = render(messages[:i], gen=True)
