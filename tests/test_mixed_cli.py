@@ -36,6 +36,24 @@ def test_every_replay_problem_is_reported_at_once_before_any_server(data, tmp_pa
     assert not (root / "vllm.log").exists()  # nothing was started
 
 
+def test_a_replay_max_length_beyond_the_step_layout_is_refused_before_any_server(data, tmp_path, lit_rl_main):
+    """A replay row longer than a micro-batch would stop the run at the step that draws it (packing
+    raises "does not fit"), naming neither the source nor its option: refuse it at start-up."""
+    root = tmp_path / "run"
+    code, _, err = lit_rl_main(grpo_args(root, data, "lit-rl:tiny_qwen3", 2, "--model.init_args.random_init", "true",
+                                         "--data.init_args.micro_batch_tokens", "512",
+                                         *replay({"path": data}, {"path": data, "name": "short", "max_length": 256})))
+    assert code != 0
+    assert "data.replay[0].max_length (2048) exceeds data.micro_batch_tokens (512)" in err, err[-3000:]
+    assert "data.replay[1]" not in err  # a source that fits is not blamed
+    code, _, err = lit_rl_main(grpo_args(root, data, "lit-rl:tiny_qwen3", 2, "--model.init_args.random_init", "true",
+                                         "--data.init_args.packing", "packed", "--data.init_args.pack_length", "512",
+                                         *replay({"path": data})))
+    assert code != 0
+    assert "data.replay[0].max_length (2048) exceeds data.pack_length (512)" in err, err[-3000:]
+    assert not (root / "vllm.log").exists()  # nothing was started
+
+
 @pytest.mark.slow
 def test_grpo_with_replay_logs_both_losses_and_resumes_the_replay_order(vllm_server, data, tmp_path):
     """12 samples a step: 8 rollouts (2 groups of 4) and 4 replay rows (weights 2:1); the

@@ -178,6 +178,22 @@ class ReplayMix:
             names.append(source.name)
         return problems
 
+    def layout_problems(self, micro_batch_tokens: int, packing: str, pack_length: int | None) -> list[str]:
+        """Replay sources whose rows may be longer than a micro-batch (or a packed row) holds: such a
+        row would stop the run at the step that draws it, so it is refused at start-up, as
+        `StaticDataModule` refuses its own `max_length`."""
+        problems = []
+        for i, source in enumerate(self.sources):
+            if not isinstance(source, ReplaySource):
+                continue
+            if source.max_length > micro_batch_tokens:
+                problems.append(f"data.replay[{i}].max_length ({source.max_length}) exceeds data.micro_batch_tokens "
+                                f"({micro_batch_tokens}): a long row would not fit a micro-batch; lower it or raise the budget")
+            elif packing == "packed" and pack_length is not None and source.max_length > pack_length:
+                problems.append(f"data.replay[{i}].max_length ({source.max_length}) exceeds data.pack_length "
+                                f"({pack_length}): a long row would not fit a packed row")
+        return problems
+
     def open(self, *, tokenizer: str, chat_template_kwargs: dict | None, trust_remote_code: bool, rollout_loss: str,
              group_size: int, world_size: int, batch_size: int, problems: list[str]) -> None:
         """Open every source (a trial render of its first row) and fix the split of each batch;

@@ -180,6 +180,7 @@ class RolloutDataModule(L.LightningDataModule):
         if self.source not in SAMPLERS:
             problems.append(f"data.source must be one of {SAMPLERS}, got {self.source!r}")
         problems += self.mix.problems()
+        problems += self.mix.layout_problems(self.micro_batch_tokens, self.packing, self.pack_length)
         if self.batch_timeout <= 0:
             problems.append(f"data.batch_timeout must be > 0, got {self.batch_timeout}")
         # the buffer's own checks, here before any server starts (its batch shape is checked above)
