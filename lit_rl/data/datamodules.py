@@ -91,7 +91,7 @@ class StaticDataModule(L.LightningDataModule):
             completion_column: see ``prompt_column``.
             tools_column: optional column of tool definitions (OpenAI or bare function shape,
                 or JSON text as in ``tool_defs`` columns).
-            max_examples: use only the first N rows.
+            max_examples: use only the first N rows, of the training data and of the validation data each.
             shuffle: shuffle rows, with a new order each epoch drawn from ``seed``.
             seed: shuffle seed; None: the run's ``seed_everything`` (a resumed run keeps the
                 order it started with; lit_rl/run_seed.py).
