@@ -93,6 +93,27 @@ def test_keep_last_spares_leased_steps_and_fresh_run_cleans_up(tmp_path):
     assert sorted(stable_steps(root)) == [1, 2] and not unfinished(root)
 
 
+class SyncEveryStep(L.Callback):
+    """What InferenceRuntime does after each step of an RL run: `sync_export` of the run's exporter,
+    here one that is not itself a callback (the runtime's default HFExport)."""
+
+    def __init__(self, export):
+        self.export = export
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.export.sync_export(trainer, pl_module, trainer.global_step)
+
+
+def test_a_fresh_run_removes_the_weight_syncs_of_an_earlier_run(tmp_path):
+    """The syncs of an earlier run (full models in sync/, numbered past the new run's steps) stayed
+    for ever, and retention removed the new run's own syncs in their place."""
+    _, root = train(tmp_path, 4, [SyncEveryStep(HFExport(keep_sync=2))])
+    assert sorted(p.name for p in (root / "sync").iterdir()) == ["step_3", "step_4"]
+    (root / "sync" / ".step_5.tmp").mkdir()  # a sync cut short by a kill
+    _, root = train(tmp_path, 2, [SyncEveryStep(HFExport(keep_sync=2))])
+    assert sorted(p.name for p in (root / "sync").iterdir()) == ["step_1", "step_2"]
+
+
 def test_failed_export_names_the_path_and_keeps_earlier_steps(tmp_path):
     """A real write failure: the file-size limit makes the weights file too large to write."""
     export = HFExport(every_n_steps=1)

@@ -98,9 +98,10 @@ class HFExport(L.Callback):
         self.prepare_run(trainer)
 
     def prepare_run(self, trainer) -> None:
-        """Fresh run: remove steps an earlier run left in this root. Resume: remove only the
-        steps past the resume point (they belong to a future this run will rewrite).
-        Once per run; OnlineEval calls it before exporting step 0. Collective."""
+        """Fresh run: remove steps an earlier run left in this root, checkpoints (`weights/`) and
+        weight syncs (`sync/`). Resume: remove only the steps past the resume point (they belong to
+        a future this run will rewrite). Once per run, before its first export: OnlineEval calls it
+        before exporting step 0, `sync_export` before the first sync. Collective."""
         if self._prepared_for is trainer:
             return
         self._prepared_for = trainer
@@ -108,12 +109,16 @@ class HFExport(L.Callback):
         root = Path(trainer.default_root_dir)
         resumed = trainer.ckpt_path is not None
         if trainer.is_global_zero:
+            synced = [p for p in sync_dir(root).iterdir() if p.is_dir()] if sync_dir(root).is_dir() else []
             stale = [p for s, p in stable_steps(root).items() if not resumed or s > trainer.global_step] + unfinished(root)
+            stale += [p for p in synced if p.name.endswith(".tmp") or (
+                step_of(p) is not None and (not resumed or step_of(p) > trainer.global_step))]
             for path in stale:
                 shutil.rmtree(path, ignore_errors=True)
             if stale:
                 why = f"past the resume step {trainer.global_step}" if resumed else "from an earlier run (fresh start)"
-                rank_zero_info(f"HFExport: removed {len(stale)} exported step(s) {why}: {', '.join(p.name for p in stale)}")
+                names = ", ".join(str(p.relative_to(root)) for p in stale)
+                rank_zero_info(f"HFExport: removed {len(stale)} exported step(s) {why}: {names}")
         trainer.strategy.barrier("hf_export_start")
         if trainer.global_step in stable_steps(root):
             self.last_exported = trainer.global_step  # resumed exactly at an exported step
@@ -183,6 +188,7 @@ class HFExport(L.Callback):
     def sync_export(self, trainer, pl_module, step: int) -> Path:
         """The current weights (of `step`) for the inference server: this step's checkpoint if one
         was written, else `sync/step_N` without fsync; the newest `keep_sync` are kept. Collective."""
+        self.prepare_run(trainer)  # the run's first sync may come first (InferenceRuntime's HFExport is not a callback)
         root = Path(trainer.default_root_dir)
         if self.last_exported == step and (step_dir(root, step) / STABLE).is_file():
             return step_dir(root, step)
