@@ -85,3 +85,16 @@ def test_other_folders_under_logs_are_ignored_and_out_goes_where_asked(tmp_path,
     out = tmp_path / "plots" / "today" / "curves.png"
     main([str(run), "--out", str(out)])
     assert out.stat().st_size > 10_000 and f"wrote {out}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cut", ["0,3,1e-", "0,3,0.1"])  # of "0,3,1e-05", "0,3,0.125"
+def test_a_last_row_cut_short_is_left_out(tmp_path, cut):
+    """A full disk or a crash while the logger appended a row leaves it without its line end: the
+    report failed on it (ValueError: could not convert string to float: '1e-'), or drew the number
+    cut short."""
+    run = write_run(tmp_path / "run", [3.0, 2.0, 1.5])
+    with open(run / "logs" / "version_0" / "metrics.csv", "a") as f:
+        f.write(cut)
+    assert collect(run)["train/loss"] == {0: 3.0, 1: 2.0, 2: 1.5}
+    main([str(run)])
+    assert (run / "report.png").stat().st_size > 10_000
