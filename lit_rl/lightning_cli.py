@@ -7,11 +7,10 @@ CPU a start on a 2-core machine).
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-from lightning.pytorch import LightningDataModule
+from lightning.pytorch import Callback, LightningDataModule
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
@@ -19,13 +18,13 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_rl import stopping
-from lit_rl.callbacks.checkpoint import RunCheckpoint
+from lit_rl.callbacks.checkpoint import RunCheckpoint, last_checkpoints
 from lit_rl.callbacks.progress import StepProgressBar
 from lit_rl.cli import LIGHTNING_COMMANDS
 from lit_rl.errors import UserError
 from lit_rl.inference.runtime import InferenceRuntime
 from lit_rl.modules.base import CausalLMModule
-from lit_rl.run_dir import stable_steps
+from lit_rl.run_dir import earlier_run
 
 
 class LitRLCLI(LightningCLI):
@@ -46,8 +45,9 @@ class LitRLCLI(LightningCLI):
       model (plain SFT) leave it idle.
     - A config value that a class rejects (a ValueError from its `__init__`, a Lightning
       MisconfigurationException) is a UserError: one message, no traceback.
-    - A run that fails before its first step (a data file the datamodule refuses, a `--ckpt_path`
-      that does not exist) leaves no `logs/version_N` behind: Lightning creates the logger's
+    - A launch that trains nothing and logs nothing (a data file the datamodule refuses, a
+      `--ckpt_path` that does not exist, a resume refused after its checkpoint was restored, a
+      resume at `max_steps`) leaves no `logs/version_N` behind: Lightning creates the logger's
       directory before the datamodule's setup (and the config is saved there), and each such
       attempt would push the next run's logs one version on.
     """
@@ -99,6 +99,7 @@ class LitRLCLI(LightningCLI):
         try:
             self._resolve_last_checkpoint(subcommand)
             super()._run_subcommand(subcommand)
+            remove_empty_log_dir(self.trainer)
         except BaseException as e:
             remove_empty_log_dir(self.trainer)
             self._refuse_unreadable_checkpoint(e)  # read when the trainer restores it
@@ -160,6 +161,7 @@ class LitRLCLI(LightningCLI):
             callbacks = [*callbacks, RunCheckpoint()]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
             callbacks = [*callbacks, StepProgressBar()]
+        callbacks = [*callbacks, TrainingStart()]
         if config.get("logger") in (None, True):
             # the trainer's, not the config's: the saved config.yaml keeps `logger: null`, and a rerun of it
             # with another default_root_dir logs there, not into the run it was saved from
@@ -167,45 +169,34 @@ class LitRLCLI(LightningCLI):
         return super()._instantiate_trainer(config, callbacks)
 
 
-def last_checkpoints(trainer) -> set[str]:
-    """The checkpoints that `ckpt_path="last"` chooses from, found as Lightning finds them
-    (`_CheckpointConnector._parse_ckpt_path`)."""
-    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+class TrainingStart(Callback):
+    """Notes the optimizer step this launch's training started from (the checkpoint's, on a
+    resume); None until training starts. A launch that ends there trained nothing."""
 
-    found = {getattr(c, "ckpt_path", None) for c in trainer.callbacks if isinstance(c, OnExceptionCheckpoint)}
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint):
-            found |= callback._find_last_checkpoints(trainer)
-    return {path for path in found if path and os.path.exists(path)}
+    def __init__(self):
+        self.step: int | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.step = trainer.global_step
 
 
-def earlier_run(root) -> list[str]:
-    """What a run left in `root` that a fresh start would replace: exported steps, files under
-    `checkpoints/`, the logs of launches that logged metrics. Empty for a directory with none of
-    them, including that of a launch killed before it logged or saved anything."""
-    root = Path(root)
-    found = []
-    steps = stable_steps(root)
-    if steps:
-        found.append(f"{len(steps)} exported step(s): {', '.join(p.name for p in steps.values())}")
-    saved = sorted(p.name for p in (root / "checkpoints").iterdir()) if (root / "checkpoints").is_dir() else []
-    if saved:
-        found.append(f"checkpoints/: {', '.join(saved)}")
-    logged = sorted(p.parent.name for p in root.glob("logs/*/metrics.csv"))
-    if logged:
-        found.append(f"the logs of {len(logged)} launch(es) in logs/")
-    return found
+def trained_in_this_launch(trainer) -> bool:
+    """Whether this launch trained an optimizer step (from step 0 without `TrainingStart`)."""
+    start = next((c.step for c in trainer.callbacks if isinstance(c, TrainingStart)), 0)
+    return start is not None and trainer.global_step > start
 
 
 def remove_empty_log_dir(trainer) -> None:
-    """Remove the logger's version directory of a run that failed before its first step, when it
-    holds nothing but the config this launch saved there (a `--ckpt_path` that does not exist
-    fails after that), and the `logs` directory above it if that is then empty. A directory with
-    anything else in it (metrics, a user's notes) is left as it is."""
+    """Remove the logger's version directory of a launch that trained nothing, when it holds
+    nothing but the config this launch saved there (a `--ckpt_path` that does not exist fails
+    after that; a resume refused after its checkpoint was restored, or one at `max_steps`, trains
+    nothing), and the `logs` directory above it if that is then empty. A directory with anything
+    else in it (metrics, a user's notes), or of a launch that trained a step (and logged none), is
+    left as it is."""
     import contextlib
     import shutil
 
-    if trainer is None or trainer.global_rank != 0 or trainer.global_step != 0:
+    if trainer is None or trainer.global_rank != 0 or trained_in_this_launch(trainer):
         return
     log_dir = getattr(trainer.logger, "log_dir", None)
     if not isinstance(log_dir, str) or not Path(log_dir).is_dir():

@@ -103,3 +103,21 @@ def unfinished(root: str | Path) -> list[Path]:
     if not wdir.is_dir():
         return []
     return [p for p in wdir.iterdir() if p.is_dir() and (p.name.endswith(".tmp") or (step_of(p) is not None and not (p / STABLE).is_file()))]
+
+
+def earlier_run(root: str | Path) -> list[str]:
+    """What a run left in `root` that a fresh start would replace: exported steps, files under
+    `checkpoints/`, the logs of launches that logged metrics. Empty for a directory with none of
+    them, including that of a launch killed before it logged or saved anything."""
+    root = Path(root)
+    found = []
+    steps = stable_steps(root)
+    if steps:
+        found.append(f"{len(steps)} exported step(s): {', '.join(p.name for p in steps.values())}")
+    saved = sorted(p.name for p in (root / "checkpoints").iterdir()) if (root / "checkpoints").is_dir() else []
+    if saved:
+        found.append(f"checkpoints/: {', '.join(saved)}")
+    logged = sorted(p.parent.name for p in root.glob("logs/*/metrics.csv"))
+    if logged:
+        found.append(f"the logs of {len(logged)} launch(es) in logs/")
+    return found

@@ -76,13 +76,24 @@ def test_resume_equals_uninterrupted(runs):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_resume_logs_the_epochs_of_the_uninterrupted_run(runs):
+    """The first launch of `split` ends at max_steps in the middle of an epoch (step 3 of 2-step
+    epochs); the checkpoint written after it counted that epoch as completed, and the resumed run
+    logged every step one epoch higher (2, 3, 3 for 1, 2, 2)."""
+    _, _, straight, split = runs
+    assert losses(straight, "epoch") == {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2}
+    assert losses(split, "epoch") == losses(straight, "epoch")
+
+
 def test_resume_at_max_steps_ends_at_once(runs, lit_rl_main):
     _, data, _, split = runs
     before = snapshot(split)
     trained = losses(split)
+    versions = sorted(p.name for p in (split / "logs").iterdir())
     code, _, stderr = lit_rl_main(fit(split, data, 6, "--ckpt_path", "last"))
     assert code == 0, stderr[-3000:]
     assert losses(split) == trained  # no step was trained
+    assert sorted(p.name for p in (split / "logs").iterdir()) == versions  # nor a logs/version_N with a config only
     assert {k: v for k, v in snapshot(split).items() if "weights" in k} == {k: v for k, v in before.items() if "weights" in k}
 
 
@@ -127,9 +138,67 @@ def test_another_data_seed_on_resume_is_one_message(runs, tmp_path, lit_rl_main)
     _, data, _, split = runs
     copy = tmp_path / "copy"
     shutil.copytree(split, copy)
+    versions = sorted(p.name for p in (copy / "logs").iterdir())
     code, _, stderr = lit_rl_main(fit(copy, data, 8, "--ckpt_path", "last", "--data.init_args.seed", "5"))
     assert code == 1 and "Traceback" not in stderr, stderr[-3000:]
     assert "data.seed is 5, but the checkpoint's run drew its order with seed 7" in stderr, stderr[-3000:]
+    # refused after the checkpoint was restored (its step is the trainer's): no logs/version_N of the launch
+    assert sorted(p.name for p in (copy / "logs").iterdir()) == versions
+
+
+def test_a_failed_launch_keeps_its_log_version_only_if_it_trained(runs, tmp_path, lit_rl_main):
+    """A resumed launch that fails at its first step trained nothing: its logs/version_N (the config
+    alone) goes. One that fails a step later trained one, unlogged (log_every_n_steps): its config
+    stays, the record of that launch."""
+    import shutil
+
+    _, data, _, split = runs
+    for failing_step, kept in ((6, False), (7, True)):
+        copy = tmp_path / f"copy{failing_step}"
+        shutil.copytree(split, copy)
+        versions = sorted(p.name for p in (copy / "logs").iterdir())
+        code, _, stderr = lit_rl_main(fit(copy, data, 9, "--ckpt_path", "last", "--trainer.log_every_n_steps", "50",
+                                          "--trainer.callbacks+=online_eval_helpers.NaNLossAtStep",
+                                          f"--trainer.callbacks.step={failing_step}"))
+        assert code == 1 and f"training step {failing_step}: the gradient norm is nan" in stderr, stderr[-3000:]
+        new = sorted({p.name for p in (copy / "logs").iterdir()} - set(versions))
+        assert len(new) == kept, (failing_step, new)
+        if kept:
+            assert [p.name for p in (copy / "logs" / new[0]).iterdir()] == ["config.yaml"]
+
+
+def test_python_fit_last_without_a_checkpoint_never_replaces_the_run(tmp_path):
+    """`trainer.fit(..., ckpt_path="last")` from Python, with no checkpoint where RunCheckpoint
+    writes them but an earlier run's exports in the run directory: Lightning only warns and starts
+    from step 0, and HFExport removed the earlier run's weights. Refused before anything is written;
+    into an empty directory it starts fresh."""
+    import lightning as L
+
+    from lit_rl.callbacks import HFExport
+    from lit_rl.callbacks.checkpoint import RunCheckpoint
+    from lit_rl.data.datamodules import StaticDataModule
+    from lit_rl.errors import ConfigError
+    from lit_rl.modules.sft import SFT
+
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(16))
+    root = tmp_path / "run"
+
+    def python_fit(steps, ckpt_path):
+        module = SFT(model=TINY_MODEL, random_init=True, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+        dm = StaticDataModule(data, batch_size=4, num_workers=0, max_length=64, micro_batch_tokens=256)
+        trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, use_distributed_sampler=False, default_root_dir=str(root),
+                            callbacks=[HFExport(every_n_steps=1), RunCheckpoint()])
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+
+    python_fit(2, "last")  # a first launch of a requeued job: nothing to resume, nothing to replace
+    assert sorted(stable_steps(root)) == [1, 2]
+    (root / "checkpoints" / "last.ckpt").unlink()
+    before = snapshot(root)
+    with pytest.raises(ConfigError, match=r'ckpt_path="last" found no checkpoint to resume .* holds an earlier run '
+                                          r"\(2 exported step\(s\): step_1, step_2\)"):
+        python_fit(3, "last")
+    assert snapshot(root) == before
 
 
 def test_a_fresh_run_in_an_earlier_runs_directory_replaces_its_checkpoint_and_curves(runs, tmp_path, lit_rl_main):
@@ -300,3 +369,36 @@ def test_a_non_finite_gradient_stops_the_run_with_its_checkpoint_written(tmp_pat
     code, _, stderr = lit_rl_main(fit(root, data, 4, "--ckpt_path", "last"))
     assert code == 0, stderr[-3000:]
     assert sorted(losses(root)) == [0, 1, 2, 3]  # the failed step was trained again, under its own number
+
+
+def test_a_checkpoint_write_that_fails_names_the_file_and_keeps_the_one_before(tmp_path):
+    """A real write failure (the file-size limit, as a full disk): the error names last.ckpt (it
+    was a bare `OSError: [Errno 27] File too large`), the checkpoint before stays whole, no
+    `.part` is left."""
+    import resource
+
+    import lightning as L
+
+    from lit_rl.callbacks.checkpoint import RunCheckpoint
+    from lit_rl.data.datamodules import StaticDataModule
+    from lit_rl.modules.sft import SFT
+
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(16))
+    module = SFT(model=TINY_MODEL, random_init=True, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    dm = StaticDataModule(data, batch_size=4, num_workers=0, max_length=64, micro_batch_tokens=256)
+    checkpoint = RunCheckpoint(every_n_train_steps=1)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, default_root_dir=str(tmp_path / "run"), callbacks=[checkpoint])
+    trainer.fit(module, datamodule=dm)
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    before = last.read_bytes()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
+    resource.setrlimit(resource.RLIMIT_FSIZE, (len(before) // 2, hard))
+    try:
+        with pytest.raises(OSError, match=rf"RunCheckpoint: could not write {last}: OSError: .*File too large"):
+            checkpoint._save_checkpoint(trainer, str(last))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+    assert last.read_bytes() == before and sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]

@@ -22,13 +22,17 @@ import logging
 import os
 import shutil
 import signal
+from contextlib import contextmanager
 from weakref import proxy
 
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_rl import stopping
+from lit_rl.errors import ConfigError
+from lit_rl.run_dir import earlier_run
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,45 @@ def _replace(new: str, path: str) -> None:
         shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
     else:
         os.replace(new, path)
+
+
+class CheckpointWriteError(OSError):
+    """Writing `last.ckpt` failed (disk full, unwritable directory); the one before is intact."""
+
+
+def last_checkpoints(trainer) -> set[str]:
+    """The checkpoints that `ckpt_path="last"` chooses from, found as Lightning finds them
+    (`_CheckpointConnector._parse_ckpt_path`)."""
+    found = {getattr(c, "ckpt_path", None) for c in trainer.callbacks if isinstance(c, OnExceptionCheckpoint)}
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, RunCheckpoint):
+            found |= callback.last_checkpoints(trainer)
+        elif isinstance(callback, ModelCheckpoint):
+            found |= callback._find_last_checkpoints(trainer)
+    return {path for path in found if path and os.path.exists(path)}
+
+
+@contextmanager
+def _epoch_cut_short_left_open(trainer):
+    """While the checkpoint of a run's end is written: an epoch that `max_steps` (or a stop
+    request) cut short before its data ran out counts as not completed, as in a checkpoint saved
+    during the epoch. Lightning closes the epoch before `on_train_end`, and a run resumed from the
+    checkpoint would count a new epoch while its data module goes on with the same data epoch: it
+    logged `epoch` one higher than the same run uninterrupted."""
+    loop = trainer.fit_loop
+    total = loop.epoch_progress.total
+    cut = (total.completed > 0 and total.ready == total.started == total.processed == total.completed
+           and not loop.epoch_loop.batch_progress.is_last_batch)
+    trackers = (loop.epoch_progress.total, loop.epoch_progress.current) if cut else ()
+    for tracker in trackers:
+        tracker.processed -= 1
+        tracker.completed -= 1
+    try:
+        yield
+    finally:
+        for tracker in trackers:
+            tracker.processed += 1
+            tracker.completed += 1
 
 
 class RunCheckpoint(ModelCheckpoint):
@@ -68,9 +111,27 @@ class RunCheckpoint(ModelCheckpoint):
         if self.dirpath is None:
             self.dirpath = os.path.join(trainer.default_root_dir, "checkpoints")
 
-    def _find_last_checkpoints(self, trainer):  # `--ckpt_path last` looks here before setup
+    def last_checkpoints(self, trainer) -> set[str]:
+        """This callback's `last.ckpt` if there is one (what `ckpt_path="last"` finds here)."""
         self._default_dirpath(trainer)
         return super()._find_last_checkpoints(trainer)
+
+    def _find_last_checkpoints(self, trainer):
+        """Where Lightning's `trainer.fit(ckpt_path="last")` looks, before anything is written. With
+        no checkpoint to resume, Lightning only warns and starts from step 0, and the fresh start
+        replaces the run it was meant to resume (HFExport removes its exported weights): refused when
+        the run directory holds an earlier run (`lit-rl fit --ckpt_path last` refuses it first, in
+        its flags' words); into a directory without one it starts fresh."""
+        found = self.last_checkpoints(trainer)
+        if not found and trainer.state.fn == TrainerFn.FITTING and not last_checkpoints(trainer):
+            root = trainer.default_root_dir
+            if earlier := earlier_run(root):
+                raise ConfigError(f'ckpt_path="last" found no checkpoint to resume (none in {self.dirpath}), but the run '
+                                  f"directory {root} holds an earlier run ({'; '.join(earlier)}); starting from step 0 "
+                                  "would replace it, its exported weights included. fix: pass the checkpoint to resume "
+                                  "as ckpt_path; or ckpt_path=None to start a fresh run that replaces it; or another "
+                                  "default_root_dir")
+        return found
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._default_dirpath(trainer)
@@ -84,9 +145,11 @@ class RunCheckpoint(ModelCheckpoint):
             trainer.strategy.barrier("run_checkpoint_clean")
         try:
             trainer.save_checkpoint(partial, self.save_weights_only)
-        except BaseException:  # e.g. a second Ctrl-C: no half-written file is left beside last.ckpt
+        except BaseException as e:  # e.g. a second Ctrl-C: no half-written file is left beside last.ckpt
             if os.path.isfile(partial):
                 os.remove(partial)
+            if isinstance(e, OSError):  # a full disk: Lightning's write names no file
+                raise CheckpointWriteError(f"RunCheckpoint: could not write {filepath}: {type(e).__name__}: {e}") from e
             raise
         if trainer.is_global_zero:
             _replace(partial, filepath)
@@ -108,7 +171,8 @@ class RunCheckpoint(ModelCheckpoint):
             self._save_last_now(trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self._save_last_now(trainer)
+        with _epoch_cut_short_left_open(trainer):
+            self._save_last_now(trainer)
         self._restore_sigint()
         stopping.training_root = None  # errors from here on are not failures of the training
 
