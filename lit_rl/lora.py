@@ -82,6 +82,13 @@ class LoRAOptions:
                           bias="none")
 
 
+def adapter_options(options: LoRAOptions) -> dict:
+    """What of the options decides what the adapter's weights mean (its shapes, where it applies
+    and its scale alpha / r), as a checkpoint keeps it; dropout only changes how it trains."""
+    targets = options.target_modules if isinstance(options.target_modules, str) else sorted(options.target_modules)
+    return {"rank": options.rank, "alpha": float(options.alpha), "target_modules": targets}
+
+
 def server_max_rank(rank: int) -> int:
     """The smallest `--max-lora-rank` vLLM accepts that holds an adapter of this rank."""
     return next(r for r in VLLM_MAX_LORA_RANKS if r >= rank)
@@ -172,7 +179,13 @@ def merged_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, 
     """The plain model's weights with the adapter merged in: W + alpha/r * B @ A per target layer,
     transposed where the base stores its weight as (in, out) (GPT-2's Conv1D, PEFT's
     `fan_in_fan_out`) and for an embedding (PEFT's `lora_embedding_A/B`), as PEFT merges. From a
-    gathered state dict (the model itself may be sharded)."""
+    gathered state dict (the model itself may be sharded).
+
+    Departs from PEFT's `merge_and_unload` for an adapted embedding tied to the output head: the
+    adapter changes the embedding's lookups only, never the head (the trained model's head is the
+    base weight), so the head keeps the base weight here and the two are no longer one tensor
+    (`unties`: the checkpoint must be written untied). PEFT merges into the shared tensor, which
+    moves the head too: the tiny Qwen3's logits were 2.6 off the trained model's."""
     options = model.peft_config["default"]
     scale = options.lora_alpha / options.r
     merged = base_state(state)
@@ -190,20 +203,20 @@ def merged_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, 
         else:
             continue
         weight = merged[f"{layer}.weight"]
-        merged[f"{layer}.weight"] = (weight.double() + scale * delta).to(weight.dtype)
-        for tied in _tied_names(model, f"{layer}.weight"):  # a tied head is the merged embedding too
-            if tied in merged:
-                merged[tied] = merged[f"{layer}.weight"]
+        merged[f"{layer}.weight"] = (weight.double() + scale * delta).to(weight.dtype)  # a tied head keeps `weight`
     return merged
 
 
-def _tied_names(model: nn.Module, name: str) -> list[str]:
-    """The other plain-model names of the parameter `name` (a weight tied to it), if any."""
+def unties(model: nn.Module, state: dict[str, torch.Tensor]) -> bool:
+    """Whether `state` (the plain model's names) holds different values under two names of one
+    tied parameter: `merged_state` of an adapted embedding that the head shares."""
     groups: dict[int, list[str]] = {}
     for full, p in model.named_parameters(remove_duplicate=False):
-        plain = full.removeprefix("base_model.model.").replace(".base_layer.", ".")
-        groups.setdefault(id(p), []).append(plain)
-    return next(([n for n in names if n != name] for names in groups.values() if name in names), [])
+        plain = full.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+        if plain in state:
+            groups.setdefault(id(p), []).append(plain)
+    return any(state[name] is not state[names[0]] and not torch.equal(state[name], state[names[0]])
+               for names in groups.values() for name in names[1:])
 
 
 def _submodule(model: nn.Module, name: str) -> nn.Module | None:

@@ -43,11 +43,15 @@ def logits(model, ids):
 IDS = [5, 17, 60, 101, 33, 2, 250, 9]
 
 
-def test_only_the_adapter_trains_and_its_exports_load_as_the_trained_model(tmp_path):
-    module, trainer, root = lora_sft(tmp_path, 3, [HFExport(merged=True)])
+# all-linear, and an adapter on the embedding that the tiny Qwen3's head is tied to: its merged export
+# had the delta in the head too (PEFT's merge of the shared tensor), 2.6 off the trained model's logits
+@pytest.mark.parametrize("targets", ["all-linear", ["embed_tokens", "q_proj"]])
+def test_only_the_adapter_trains_and_its_exports_load_as_the_trained_model(tmp_path, targets):
+    module, trainer, root = lora_sft(tmp_path, 3, [HFExport(merged=True)],
+                                     lora=LoRAOptions(rank=8, alpha=16, target_modules=targets))
     model = module.model
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert trainable and all(".lora_" in n for n in trainable)
     optimizer = trainer.optimizers[0]
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert in_optimizer == {id(p) for p in model.parameters() if p.requires_grad}
@@ -80,19 +84,23 @@ def test_only_the_adapter_trains_and_its_exports_load_as_the_trained_model(tmp_p
     merged = AutoModelForCausalLM.from_pretrained(final / "merged")
     assert not any("lora" in n for n, _ in merged.named_parameters())
     torch.testing.assert_close(logits(merged, IDS), trained, atol=1e-4, rtol=0)
+    # untied only where the adapter is on the embedding (the head keeps the base weight)
+    assert json.loads((final / "merged" / "config.json").read_text())["tie_word_embeddings"] == (targets == "all-linear")
 
 
 @pytest.mark.parametrize("targets", [["c_attn", "c_fc"], ["wte", "c_proj"]])
-def test_the_merged_weights_are_pefts_merge_for_conv1d_layers_and_a_tied_embedding(targets):
+def test_the_merged_weights_give_the_adapted_models_logits_for_conv1d_layers_and_a_tied_embedding(targets):
     """GPT-2 stores its Conv1D weights as (in, out) (PEFT's fan_in_fan_out) and ties its head to the
-    embedding: the merge of the gathered state dict (HFExport's `merged: true`) failed on the first
-    and left the head unmerged under the second. Compared with PEFT's merge_and_unload."""
+    embedding: the merge of the gathered state dict (HFExport's `merged: true`) failed on the first.
+    An adapter on the tied embedding changes its lookups, not the head: PEFT's merge_and_unload
+    merges the shared tensor, moving the head too, so the merge keeps the head's base weight and
+    the merged weights are untied. Compared with the adapted (unmerged) model's logits."""
     import copy
 
     import transformers
     from peft import LoraConfig, get_peft_model
 
-    from lit_rl.lora import merged_state
+    from lit_rl.lora import merged_state, unties
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=320, n_positions=64, n_embd=32, n_layer=2, n_head=2,
@@ -103,8 +111,13 @@ def test_the_merged_weights_are_pefts_merge_for_conv1d_layers_and_a_tied_embeddi
     merged = merged_state(model, state)
     want = copy.deepcopy(model).merge_and_unload().state_dict()
     assert merged.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(merged[name], want[name], atol=1e-5, rtol=0, msg=name)
+    for name in want:  # PEFT's merge, but for the head tied to an adapted embedding
+        expected = state["transformer.wte.base_layer.weight"] if "wte" in targets and name == "lm_head.weight" else want[name]
+        torch.testing.assert_close(merged[name], expected, atol=1e-5, rtol=0, msg=name)
+    assert unties(model, merged) == ("wte" in targets)
+    plain = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**config.to_dict(), "tie_word_embeddings": False}))
+    plain.load_state_dict(merged)
+    torch.testing.assert_close(logits(plain, IDS), logits(model, IDS), atol=1e-5, rtol=0)
 
 
 def test_a_target_module_that_matches_nothing_names_the_flag_and_the_layers(tmp_path):
@@ -246,6 +259,20 @@ def test_a_resumed_lora_run_continues_exactly_from_a_checkpoint_without_the_base
         resume_lora_sft(tmp_path, ckpt, seed=1)
     with pytest.raises(ConfigError, match="holds a LoRA adapter without its base .*model.init_args.lora"):
         resume_lora_sft(tmp_path, ckpt, lora=None)
+    # another alpha resumed silently, rescaling the trained adapter 4x (the resumed step's loss 6.73, not 4.87); another
+    # rank stopped in Lightning's state-dict load, other targets as "another base": each is named, before training
+    with pytest.raises(ConfigError, match=r"another model.init_args.lora than this run's: alpha 16.0 in the checkpoint, "
+                                          r"64.0 here; resume with the checkpoint's"):
+        resume_lora_sft(tmp_path, ckpt, lora=LoRAOptions(rank=8, alpha=64))
+    with pytest.raises(ConfigError, match=r"rank 8 in the checkpoint, 16 here, target_modules 'all-linear' in the "
+                                          r"checkpoint, \['q_proj'\] here"):
+        resume_lora_sft(tmp_path, ckpt, lora=LoRAOptions(rank=16, alpha=16, target_modules=["q_proj"]))
+    resume_lora_sft(tmp_path, ckpt, lora=LoRAOptions(rank=8, alpha=16, dropout=0.1), steps=3)  # dropout may change
+    # a full fine-tuning checkpoint resumed with an adapter: Lightning's "Missing key(s)" of every adapter tensor
+    _, full, _ = lora_sft(tmp_path / "full", 1, lora=None)
+    full.save_checkpoint(tmp_path / "full.ckpt")
+    with pytest.raises(ConfigError, match=r"holds no LoRA adapter .*resume it without model.init_args.lora"):
+        resume_lora_sft(tmp_path, tmp_path / "full.ckpt")
 
 
 @pytest.mark.slow

@@ -37,7 +37,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_rl.callbacks.step_files import StepFiles, learn_step_files
-from lit_rl.lora import adapter_state, base_state, has_adapter, merged_state, write_adapter
+from lit_rl.lora import adapter_state, base_state, has_adapter, merged_state, unties, write_adapter
 from lit_rl.model_names import load_tokenizer
 from lit_rl.modules.model_loading import resolve_dtype
 from lit_rl.run_dir import STABLE, base_dir, in_use, stable_steps, step_dir, step_of, sync_dir, unfinished
@@ -270,8 +270,17 @@ class HFExport(L.Callback):
             self._step_files = learn_step_files(tmp, state) or False
 
     def _write_plain(self, pl_module, state: dict[str, torch.Tensor], tmp: Path) -> None:
-        """A plain HF checkpoint of `state` (the model's own names): save_pretrained, config, tokenizer."""
-        pl_module.model.save_pretrained(tmp, state_dict=dict(state), safe_serialization=True)  # it pops keys
+        """A plain HF checkpoint of `state` (the model's own names): save_pretrained, config, tokenizer.
+        Untied where `state` holds the head apart from the embedding it is tied to (a merged adapter
+        on the embedding: `lit_rl.lora.merged_state`)."""
+        config = pl_module.model.config
+        tied = getattr(config, "tie_word_embeddings", False)
+        if tied and unties(pl_module.model, state):
+            config.tie_word_embeddings = False  # else save_pretrained drops the head and the loader re-ties it
+        try:
+            pl_module.model.save_pretrained(tmp, state_dict=dict(state), safe_serialization=True)  # it pops keys
+        finally:
+            config.tie_word_embeddings = tied
         if self.dtype is not None:
             cfg = json.loads((tmp / "config.json").read_text())
             cfg["dtype"] = cfg["torch_dtype"] = str(self.dtype).removeprefix("torch.")

@@ -35,11 +35,13 @@ from lit_rl.errors import ConfigError
 from lit_rl.chunked_head import DEFAULT_CHUNK_SIZE, selected_cross_entropy_sum, selected_token_logprobs
 from lit_rl.lora import (
     LoRAOptions,
+    adapter_options,
     add_adapter,
     base_difference,
     base_fingerprint,
     frozen_parameter_names,
     has_adapter,
+    is_adapter_key,
 )
 from lit_rl.losses import masked_cross_entropy_sum, shifted_token_logprobs, token_entropy
 from lit_rl.modules.model_loading import load_causal_lm, turn_off_dropout
@@ -208,6 +210,8 @@ class CausalLMModule(TrainingStep, L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["lit_rl"] = {"model": self.model_name, "architecture": self._architecture()}
+        if self.lora is not None:  # checked at resume: another alpha would silently rescale the trained adapter
+            checkpoint["lit_rl"]["lora"] = adapter_options(self.lora)
         if self._adapter_only_checkpoints():  # the frozen base is loaded again at resume (lit_rl/lora.py)
             for name in frozen_parameter_names(self):
                 checkpoint["state_dict"].pop(name, None)
@@ -244,6 +248,19 @@ class CausalLMModule(TrainingStep, L.LightningModule):
             raise ConfigError(
                 f"checkpoint is of another model ({saved['model']}) than this run's ({self.model_name}): {lines}"
             )
+        state = checkpoint.get("state_dict")  # None: a sharded strategy has restored the module already
+        if has_adapter(self.model) and state is not None and not any(is_adapter_key(k) for k in state):
+            raise ConfigError("this checkpoint holds no LoRA adapter (it was written without model.lora): resume it "
+                              "without model.init_args.lora, or start a LoRA run from its weights (an HFExport "
+                              "weights/step_N as model.init_args.model)")
+        if saved.get("lora") is not None and self.lora is not None:
+            ours = adapter_options(self.lora)
+            if diff := [k for k in ours if saved["lora"].get(k) != ours[k]]:
+                raise ConfigError(
+                    "this LoRA checkpoint's adapter was trained with another model.init_args.lora than this run's: "
+                    + ", ".join(f"{k} {saved['lora'].get(k)!r} in the checkpoint, {ours[k]!r} here" for k in diff)
+                    + "; resume with the checkpoint's"
+                )
         if "frozen_base" in saved:
             self._restore_frozen_base(checkpoint, saved)
 
