@@ -56,8 +56,9 @@ def runs(tmp_path_factory):
     for args in (fit(straight, data, 6, "--seed_everything", "7", *val), fit(split, data, 3, "--seed_everything", "7", *val)):
         out = run(args)
         assert out.returncode == 0, out.stderr[-3000:]
-    # the row order follows the run's seed, and a resume launched with another seed keeps the first one's
-    out = run(fit(split, data, 6, "--ckpt_path", "last", "--seed_everything", "8", *val))
+    # the row order follows the run's seed, and a resume launched with another seed keeps the first one's;
+    # it runs to the end of the straight run's 3 epochs (the first launch's max_steps ended mid-epoch)
+    out = run(fit(split, data, -1, "--trainer.max_epochs", "3", "--ckpt_path", "last", "--seed_everything", "8", *val))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "data.seed: resuming the order of seed 7, the one the run started with" in out.stdout + out.stderr
     return tmp, data, straight, split
