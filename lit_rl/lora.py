@@ -57,13 +57,13 @@ class LoRAOptions:
 
     def __post_init__(self):
         problems = []
-        if not isinstance(self.rank, int) or self.rank < 1:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:  # True is an int
             problems.append(f"rank must be an int >= 1, got {self.rank!r}")
         elif self.rank > VLLM_MAX_LORA_RANKS[-1]:
             problems.append(f"rank {self.rank} is above vLLM's largest --max-lora-rank ({VLLM_MAX_LORA_RANKS[-1]})")
-        if not self.alpha > 0:
-            problems.append(f"alpha must be > 0, got {self.alpha!r}")
-        if not 0 <= self.dropout < 1:
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 < self.alpha < math.inf:
+            problems.append(f"alpha must be a finite number > 0, got {self.alpha!r}")  # inf: every update infinite
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
             problems.append(f"dropout must be in [0, 1), got {self.dropout!r}")
         if not self.target_modules or (isinstance(self.target_modules, str) and self.target_modules != "all-linear"):
             problems.append(f"target_modules must be 'all-linear' or a list of module names, got {self.target_modules!r}")

@@ -3,6 +3,7 @@ the merged export equals the adapted model; bad options fail before training."""
 
 import asyncio
 import json
+import math
 
 import lightning as L
 import pytest
@@ -128,6 +129,12 @@ def test_a_target_module_that_matches_nothing_names_the_flag_and_the_layers(tmp_
         lora_sft(tmp_path, 1, lora=LoRAOptions(rank=4, target_modules=["q_proj", "lm_head"]))
     with pytest.raises(ValueError, match="model.lora: rank must be an int >= 1"):
         LoRAOptions(rank=0)
+    # not numbers, or not finite: rank True was taken as rank 1, alpha inf made every update infinite
+    with pytest.raises(ValueError, match=r"rank must be an int >= 1, got True; alpha must be a finite number > 0, "
+                                         r"got inf; dropout must be in \[0, 1\), got '0.1'"):
+        LoRAOptions(rank=True, alpha=math.inf, dropout="0.1")
+    with pytest.raises(ValueError, match="alpha must be a finite number > 0, got '16'"):
+        LoRAOptions(alpha="16")
     assert LoRAOptions(rank=12).server_max_rank == 16 and LoRAOptions(rank=8).server_max_rank == 8
 
 
