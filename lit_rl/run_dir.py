@@ -19,6 +19,17 @@ STABLE = "STABLE"
 _STEP = re.compile(r"^step_(\d+)$")
 
 
+def fsync_written(path: str | Path) -> None:
+    """Flush a written file, or every file under a written directory, to the disk before it is
+    renamed into place: the rename is atomic, but a machine that loses power after it can leave the
+    new name on data that never reached the disk (an empty `last.ckpt`, a step without weights)."""
+    path = Path(path)
+    files = [path] if path.is_file() else [Path(r) / name for r, _, names in os.walk(path) for name in names]
+    for file in files:
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+
+
 def weights_dir(root: str | Path) -> Path:
     return Path(root) / "weights"
 

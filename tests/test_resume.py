@@ -403,3 +403,30 @@ def test_a_checkpoint_write_that_fails_names_the_file_and_keeps_the_one_before(t
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, old)
     assert last.read_bytes() == before and sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]
+
+
+def test_last_ckpt_reaches_the_disk_before_it_replaces_the_one_before(tmp_path, monkeypatch):
+    """The rename of last.ckpt.part is atomic, but without an fsync before it a machine that loses
+    power can be left with a last.ckpt whose data never reached the disk. The real os.fsync runs,
+    watched: the part is flushed while last.ckpt is not there yet."""
+    import lightning as L
+
+    from lit_rl.callbacks.checkpoint import RunCheckpoint
+    from lit_rl.data.datamodules import StaticDataModule
+    from lit_rl.modules.sft import SFT
+
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    flushed, fsync = [], os.fsync
+
+    def watched(fd):
+        flushed.append((os.readlink(f"/proc/self/fd/{fd}"), last.exists()))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", watched)
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
+    module = SFT(model=TINY_MODEL, random_init=True, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    dm = StaticDataModule(data, batch_size=4, num_workers=0, max_length=64, micro_batch_tokens=256)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, default_root_dir=str(tmp_path / "run"), callbacks=[RunCheckpoint()])
+    trainer.fit(module, datamodule=dm)
+    assert last.is_file() and (f"{last}.part", False) in flushed, flushed

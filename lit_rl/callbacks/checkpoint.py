@@ -32,7 +32,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_rl import stopping
 from lit_rl.errors import ConfigError
-from lit_rl.run_dir import earlier_run
+from lit_rl.run_dir import earlier_run, fsync_written
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,7 @@ class RunCheckpoint(ModelCheckpoint):
                 raise CheckpointWriteError(f"RunCheckpoint: could not write {filepath}: {type(e).__name__}: {e}") from e
             raise
         if trainer.is_global_zero:
+            fsync_written(partial)  # every rank's part is written: saving is collective
             _replace(partial, filepath)
         trainer.strategy.barrier("run_checkpoint")
         stopping.latest_checkpoint = (filepath, trainer.global_step)

@@ -40,17 +40,10 @@ from lit_rl.callbacks.step_files import StepFiles, learn_step_files
 from lit_rl.lora import adapter_state, base_state, has_adapter, merged_state, unties, write_adapter
 from lit_rl.model_names import load_tokenizer
 from lit_rl.modules.model_loading import resolve_dtype
-from lit_rl.run_dir import STABLE, base_dir, in_use, stable_steps, step_dir, step_of, sync_dir, unfinished
+from lit_rl.run_dir import STABLE, base_dir, fsync_written, in_use, stable_steps, step_dir, step_of, sync_dir, unfinished
 from lit_rl.sharding import is_sharded
 
 log = logging.getLogger(__name__)
-
-
-def _fsync_tree(path: Path) -> None:
-    for root, _, files in os.walk(path):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as f:
-                os.fsync(f.fileno())
 
 
 class ExportError(OSError):
@@ -253,7 +246,7 @@ class HFExport(L.Callback):
             tmp.mkdir(parents=True)
             fill(tmp)
             if durable:
-                _fsync_tree(tmp)
+                fsync_written(tmp)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             (final / STABLE).touch()
