@@ -12,8 +12,8 @@ from pathlib import Path
 
 from lightning.pytorch import Callback, LightningDataModule
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
-from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -53,6 +53,7 @@ class LitRLCLI(LightningCLI):
     """
 
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("save_config_callback", SaveRunConfig)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("auto_configure_optimizers", False)
         kwargs.setdefault("subclass_mode_model", True)
@@ -167,6 +168,27 @@ class LitRLCLI(LightningCLI):
             # with another default_root_dir logs there, not into the run it was saved from
             config = {**config, "logger": CSVLogger(save_dir=config.get("default_root_dir") or ".", name="logs")}
         return super()._instantiate_trainer(config, callbacks)
+
+
+class SaveRunConfig(SaveConfigCallback):
+    """The launch's config, saved inside the run directory whatever the logger. Lightning saves it in
+    `trainer.log_dir`: `logs/version_N` for its CSV and TensorBoard loggers, but any other logger's
+    `save_dir`, which for W&B is the working directory by default, where `config.yaml` is often the
+    user's own config, replaced without a word (overwrite is on, so that a rerun can start). There
+    it goes to `<run dir>/config.yaml` instead, replaced by each launch."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        logger = trainer.loggers[0] if trainer.loggers else None
+        if self.already_saved or logger is None or isinstance(logger, (CSVLogger, TensorBoardLogger)):
+            return super().setup(trainer, pl_module, stage)  # logs/version_N, or the run directory itself
+        if trainer.is_global_zero:
+            root = Path(trainer.default_root_dir)
+            root.mkdir(parents=True, exist_ok=True)
+            self.parser.save(self.config, str(root / self.config_filename), skip_none=False, overwrite=True,
+                             multifile=self.multifile)
+            self.save_config(trainer, pl_module, stage)
+            self.already_saved = True
+        self.already_saved = trainer.strategy.broadcast(self.already_saved)
 
 
 class TrainingStart(Callback):

@@ -77,6 +77,22 @@ def test_fit_runs_end_to_end_and_reruns_into_same_dir(tmp_path):
     assert [int(r["step"]) for r in metrics_rows(tmp_path / "again") if r.get("train/loss")] == [0, 1, 2]
 
 
+def test_with_a_wandb_logger_the_config_is_saved_in_the_run_not_over_the_users_own(tmp_path):
+    """Lightning saves the config in the first logger's save_dir when that is not its CSV or
+    TensorBoard logger; W&B's is the working directory by default, and its `config.yaml` (here the
+    user's own, in save_dir) was replaced by the saved config."""
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(16))
+    users = tmp_path / "project"
+    users.mkdir()
+    (users / "config.yaml").write_text("# my config, with my notes\n")
+    logger = {"class_path": "lightning.pytorch.loggers.WandbLogger",
+              "init_args": {"offline": True, "project": "lit-rl-test", "save_dir": str(users)}}
+    out = run(fit_args(tmp_path, data, steps=1) + ["--trainer.logger", json.dumps(logger)], env={"WANDB_MODE": "offline"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (users / "config.yaml").read_text() == "# my config, with my notes\n"
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["trainer"]["max_steps"] == 1
+
+
 def test_validate_reports_val_loss(tmp_path, lit_rl_main):
     data = write_jsonl(tmp_path / "val.jsonl", reverse_rows(12))
     code, stdout, stderr = lit_rl_main(["validate", "--config", CONFIG, "--data.init_args.path", data, "--data.init_args.val_path",
