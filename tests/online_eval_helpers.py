@@ -165,6 +165,27 @@ class ScoreFixedIds(Environment):
         return {"logprob_sum": sum(await run.client.score(self.IDS))}
 
 
+class RaisingEval(Environment):
+    """A custom eval with a bug: it raises at every step."""
+
+    default_name = "raises"
+
+    async def evaluate(self, run: EvalRun) -> dict[str, float]:
+        raise ValueError("a bug in this eval")
+
+
+class ServedVersion(Environment):
+    """A custom eval that returns torch scalars (as a torchmetrics `compute()` does): the version the
+    server says it serves while this step is evaluated."""
+
+    default_name = "served"
+
+    async def evaluate(self, run: EvalRun) -> dict:
+        import torch
+
+        return {"version": torch.tensor(float(await run.client.served_version())), "half": torch.tensor(0.5)}
+
+
 def kill_policy_engine(runtime, record: Path, when: int) -> None:
     """SIGKILL the engine processes (the API process's children) of the run's policy server and
     wait until they are gone; `when` (a step, a request number) goes into `record`."""

@@ -180,6 +180,48 @@ def test_evaluate_on_a_finished_run_exits_1_naming_what_failed_and_a_rerun_tries
         assert logged_steps() == [0, 1]  # nothing evaluated twice
 
 
+def test_an_eval_that_raises_fails_alone_and_metrics_are_logged_as_numbers(vllm_server, monkeypatch):
+    """Custom evals against the session's server. Before: an eval that raised failed every eval after
+    it at that step, recorded as failed with its error without being run (`served` here: 4 of 4 evals
+    failed); and a metric returned as a torch scalar (a torchmetrics `compute()`) went into
+    eval_metrics.csv as `tensor(0.5000)`, which `read_eval_metrics` (so `lit-rl report`) could not
+    read. Now the eval that raised fails alone, and metrics are logged as numbers."""
+    from lit_rl import cli
+
+    monkeypatch.setattr(sys, "argv", ["lit-rl"])
+    with vllm_server.run_dir(steps=(0, 1)) as run_root:
+        with pytest.raises(SystemExit) as failed:
+            cli.main(["evaluate", "--run-dir", str(run_root), "--base-url", vllm_server.base_url,
+                      "--env", "online_eval_helpers.RaisingEval", "--env", "online_eval_helpers.ServedVersion"])
+        assert failed.value.code == ("lit-rl evaluate: 2 of 4 evals failed (a rerun tries them again): raises at steps "
+                                     "0, 1: ValueError: a bug in this eval"), failed.value.code
+        assert DoneLog(run_root).entries == {(0, "raises"): "failed", (0, "served"): "ok",
+                                             (1, "raises"): "failed", (1, "served"): "ok"}
+        metrics = {(r["step"], r["name"]): r["value"] for r in read_eval_metrics(run_root / "evals")}
+        assert metrics == {(s, f"eval/served/{name}"): value for s in (0, 1)
+                           for name, value in (("version", s), ("half", 0.5), ("policy_version", s))}, metrics
+
+
+def test_an_evaluator_behind_skips_each_eval_only_for_a_newer_step_of_its_own(vllm_server):
+    """`lit-rl evaluate --follow` (OnlineEval's evaluator) that finds steps 2 and 3 waiting, with
+    `fast` due at every step and `slow` every 2nd. Before: it skipped to step 3 and skipped step 2 for
+    both, though step 3 has no `slow` eval: `slow` lost step 2, and an evaluator that stays one export
+    behind never ran `slow` before the final step. Now each eval skips only to a newer step of its own."""
+    from lit_rl.commands.evaluate import parse, run
+
+    trainer = subprocess.Popen([sys.executable, "-c", "pass"])  # a trainer that is gone: one pass, then stop
+    trainer.wait()
+    with vllm_server.run_dir(steps=(2, 3)) as run_root:
+        EvalPlan(envs=[{"class_path": "online_eval_helpers.ServedVersion", "init_args": {"name": name}}
+                       for name in ("fast", "slow")], interval=1, intervals={"slow": 2}, eval_base=False).save(run_root)
+        run(parse(["--run-dir", str(run_root), "--base-url", vllm_server.base_url, "--follow",
+                   "--parent-pid", str(trainer.pid)]))
+        assert DoneLog(run_root).entries == {(2, "fast"): "skipped", (2, "slow"): "ok", (3, "fast"): "ok"}
+        served = {(r["step"], r["name"]): r["value"] for r in read_eval_metrics(run_root / "evals")
+                  if r["name"].endswith("/version")}
+        assert served == {(2, "eval/slow/version"): 2.0, (3, "eval/fast/version"): 3.0}, served
+
+
 def test_eval_prompts_are_rendered_as_training_renders_them(tmp_path, vllm_server, monkeypatch):
     """Before: an eval's prompts were rendered without the training data's chat template variables
     (a model trained with `enable_thinking: false` was evaluated on prompts that open a thinking

@@ -2,9 +2,9 @@
 
 It watches `<root>/weights/` for STABLE step directories, reloads its inference server
 with each due one, and runs the due evals for that step in turn, so every measurement
-belongs to exactly one policy version. When it falls behind it skips to the newest due
-step (and says which it skipped); the base model (step 0) is never skipped, and the
-final step always runs every eval. A failed reload
+belongs to exactly one policy version. When it falls behind each eval skips to its own newest
+due step (and it says which it skipped); the base model (step 0) is never skipped, and the
+final step always runs every eval. An eval that raises fails alone. A failed reload
 (the directory vanished, the server errored) is logged, that step's evals are recorded
 as failed, and it goes on. A server it started that died or hangs is restarted
 (`ServerRestarts`, at most `--max-server-restarts`) and the step's failed evals run again. It
@@ -41,6 +41,38 @@ def instantiate(config: dict) -> Environment:
     """An environment from its `{"class_path", "init_args"}`, as LightningCLI's `instantiate_class`
     makes it, without importing Lightning into the evaluator's process (seconds at every start)."""
     return import_callable(config["class_path"], "evaluator env")(**config.get("init_args", {}))
+
+
+def metric_values(env: Environment, metrics) -> dict[str, float]:
+    """`evaluate`'s dict as floats: a 0-dim tensor (a torchmetrics `compute()`) or numpy number is a
+    number; anything else is an error naming the metric. Written as it came, a tensor went into
+    eval_metrics.csv as `tensor(0.25)`, which `lit-rl report` could not read."""
+    if not isinstance(metrics, dict):
+        raise TypeError(f"{type(env).__name__}.evaluate must return a dict of metric name -> number, got {metrics!r}")
+    out = {}
+    for name, value in metrics.items():
+        try:
+            out[str(name)] = float(value)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"{type(env).__name__}.evaluate returned {name!r}: {value!r}, not a number") from e
+    return out
+
+
+def newest_of_each(pending: dict[int, list[Environment]]) -> tuple[dict[int, list[Environment]], dict[int, list[Environment]]]:
+    """Behind: each environment's newest pending step, and the base model (step 0), which is never
+    skipped; the rest is skipped. Per environment: with `intervals`, the newest pending step may
+    not be due for all of them, and skipping a slower eval's step for it lost that eval (with an
+    evaluator one export behind, every one until the final step). Returns (chosen, skipped)."""
+    newest = {}
+    for step in sorted(pending):
+        for env in pending[step]:
+            newest[env.name] = step
+    chosen: dict[int, list[Environment]] = {}
+    skipped: dict[int, list[Environment]] = {}
+    for step in sorted(pending):
+        for env in pending[step]:
+            (chosen if step == 0 or newest[env.name] == step else skipped).setdefault(step, []).append(env)
+    return chosen, skipped
 
 
 class Evaluator:
@@ -142,17 +174,18 @@ class Evaluator:
             if not pending:
                 self.record_missing_final(final)
             if pending:
-                steps = sorted(pending)
-                # behind: only the newest due step, but the base model (step 0) is never skipped
-                chosen = steps if self.standalone else sorted({steps[-1]} | ({0} & set(steps)))
-                skipped = [s for s in steps if s not in chosen]
-                for s in skipped:
-                    for env in pending[s]:
+                chosen, skipped = pending, {}
+                if not self.standalone:
+                    chosen, skipped = newest_of_each(pending)
+                for s, envs in skipped.items():
+                    for env in envs:
                         self.done.record(s, env.name, "skipped")
                 if skipped:
-                    log.warning("evaluator fell behind: skipped steps %s, evaluating step %s", skipped, chosen[-1])
-                for step in chosen:
-                    await self.evaluate_step(step, pending[step])
+                    log.warning("evaluator fell behind: skipped %s; evaluating step(s) %s",
+                                "; ".join(f"step {s} ({', '.join(e.name for e in envs)})" for s, envs in skipped.items()),
+                                ", ".join(map(str, chosen)))
+                for step in sorted(chosen):
+                    await self.evaluate_step(step, chosen[step])
                 continue
             if self.finished(final) or (self.standalone and final is None):
                 return
@@ -162,10 +195,10 @@ class Evaluator:
             await asyncio.sleep(self.poll_seconds)
 
     async def evaluate_step(self, step: int, envs: list[Environment]) -> None:
-        """The step's evals; when its server died under them and was restarted, the failed ones run
-        again, once (a later record of a step's eval replaces the earlier one)."""
+        """The step's evals; when its server died under them and was restarted, the evals it stopped
+        run again, once (a later record of a step's eval replaces the earlier one)."""
         seen = self.restarts.generation("evaluator") if self.restarts is not None else 0
-        error = await self._evaluate_step(step, envs)
+        error, stopped = await self._evaluate_step(step, envs)
         if error is None or self.restarts is None or not isinstance(error, InferenceServerError):
             return
         try:
@@ -175,11 +208,15 @@ class Evaluator:
             restarted = False
         if restarted:
             log.warning("evaluator: its server was restarted; evaluating step %s again", step)
-            await self._evaluate_step(step, [env for env in envs if self.done.entries.get((step, env.name)) == "failed"])
+            await self._evaluate_step(step, stopped)
 
-    async def _evaluate_step(self, step: int, envs: list[Environment]) -> Exception | None:
-        """The step's evals; the error that stopped them (its evals recorded as failed), if any."""
+    async def _evaluate_step(self, step: int, envs: list[Environment]) -> tuple[Exception | None, list[Environment]]:
+        """The step's evals. An eval that raises is recorded as failed and the step's other evals
+        still run; a failed reload, or a server error (the server is gone for all of them), stops the
+        step: its evals not yet run are recorded as failed. Returns the error that stopped the step
+        and the evals it stopped, or (None, [])."""
         step_path = self.root / "weights" / f"step_{step}"
+        finished: set[str] = set()
         try:
             with lease(step_path, f"evaluator-{os.getpid()}"):
                 if not (step_path / STABLE).is_file():
@@ -191,20 +228,30 @@ class Evaluator:
                     version = await self.client.reload_weights(step_path)
                 log.info("evaluator: serving step %s (reload %.2f s)", version, time.perf_counter() - started)
                 for env in envs:
-                    await self._evaluate_env(step, step_path, env)
+                    try:
+                        await self._evaluate_env(step, step_path, env)
+                    except InferenceServerError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - this eval's own error: the others still run
+                        log.error("evaluator: step %s %s failed (%s: %s)", step, env.name, type(e).__name__, e)
+                        self._record_failed(step, env, e)
+                    finished.add(env.name)
         except Exception as e:  # noqa: BLE001 - a failed eval must never stop training
             log.error("evaluator: step %s failed (%s: %s); skipping its evals", step, type(e).__name__, e)
-            for env in envs:
-                if self.done.entries.get((step, env.name)) != "ok":  # the step's evals that did not finish
-                    self.done.record(step, env.name, "failed", error=f"{type(e).__name__}: {e}")
-                    self.attempted[(step, env.name)] = f"{type(e).__name__}: {e}"
-            return e
-        return None
+            stopped = [env for env in envs if env.name not in finished]
+            for env in stopped:
+                self._record_failed(step, env, e)
+            return e, stopped
+        return None, []
+
+    def _record_failed(self, step: int, env: Environment, error: Exception) -> None:
+        self.done.record(step, env.name, "failed", error=f"{type(error).__name__}: {error}")
+        self.attempted[(step, env.name)] = f"{type(error).__name__}: {error}"
 
     async def _evaluate_env(self, step: int, step_path: Path, env: Environment) -> None:
         run = EvalRun(step=step, step_dir=step_path, client=self.client, chat_template_kwargs=dict(self.plan.chat_template_kwargs))
         started = time.perf_counter()
-        metrics = await env.evaluate(run)
+        metrics = metric_values(env, await env.evaluate(run))
         out = {f"eval/{env.name}/{k}": v for k, v in metrics.items()}
         out[f"eval/{env.name}/policy_version"] = float(step)
         self.logger.log(step, out)
