@@ -301,6 +301,19 @@ def test_a_misspelt_server_option_is_named_before_any_server_starts(tmp_path, ca
             cli.main(["evaluate", "--weights-dir", str(weights), *env, flag, value])
         err = capsys.readouterr().err
         assert e.value.code == 2 and f"argument {flag}: {said}" in err and "Traceback" not in err, err
+    # Options that were ignored without a word (the second --env-args' environment never evaluated,
+    # --server beside --base-url never used, a negative restart count): one usage error naming them all
+    with pytest.raises(SystemExit) as e:
+        cli.main(["evaluate", "--weights-dir", str(weights), *env, "--env-args", '{"name": "b"}', "--plan", "p.json",
+                  "--base-url", "http://127.0.0.1:1/v1", "--server", '{"max_model_len": 512}', "--max-server-restarts", "-1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    for said in ("2 --env-args for 1 --env", "--plan and --env: give one",
+                 "--server: options of a server lit-rl starts, but --base-url names one", "--max-server-restarts must be >= 0"):
+        assert said in err, err
+    (tmp_path / "plan.json").write_text('{"envs": [')  # a plan that is not one: named, not a JSONDecodeError's traceback
+    err = user_error(["evaluate", "--weights-dir", str(weights), "--plan", str(tmp_path / "plan.json")], capsys)
+    assert f"--plan {tmp_path / 'plan.json'}: not an eval plan (JSONDecodeError" in err, err
     assert not (tmp_path / "evaluated" / "evals").exists()
 
 

@@ -71,7 +71,26 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         "--parent-pid, as long as that process lives)")
     p.add_argument("--max-server-restarts", type=int, default=3,
                    help="restarts of the server it started, when that dies or hangs (the step is evaluated again)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if problems := option_problems(args):
+        p.error("; ".join(problems))
+    return args
+
+
+def option_problems(args: argparse.Namespace) -> list[str]:
+    """Options that would be ignored without a word (an environment never evaluated, server options
+    never used), said together as one usage error (exit 2)."""
+    problems = []
+    if len(args.env_args) > len(args.env):
+        problems.append(f"{len(args.env_args)} --env-args for {len(args.env)} --env: each --env-args "
+                        "goes with the --env at the same position")
+    if args.plan and args.env:
+        problems.append("--plan and --env: give one (--env makes its own plan)")
+    if args.base_url and args.server:
+        problems.append("--server: options of a server lit-rl starts, but --base-url names one already running")
+    if args.max_server_restarts < 0:
+        problems.append(f"--max-server-restarts must be >= 0, got {args.max_server_restarts}")
+    return problems
 
 
 def run_root(args: argparse.Namespace) -> Path:
@@ -98,7 +117,10 @@ def load_plan(args: argparse.Namespace, root: Path) -> EvalPlan:
         path = Path(args.plan) if args.plan else evals_dir(root) / "plan.json"
         if not path.is_file():
             raise SystemExit(f"lit-rl evaluate: no plan at {path}; give --plan or --env CLASS_PATH")
-        plan = EvalPlan.load(path)
+        try:
+            plan = EvalPlan.load(path)
+        except (ValueError, TypeError) as e:  # not JSON, or not a plan's fields
+            raise UserError(f"{'--plan ' if args.plan else ''}{path}: not an eval plan ({type(e).__name__}: {e})") from e
     if args.chat_template_kwargs is not None:
         if problem := chat_template_kwargs_problem(args.chat_template_kwargs):
             raise UserError(f"--chat-template-kwargs: {problem}")
