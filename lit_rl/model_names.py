@@ -56,18 +56,26 @@ def missing_local_model(name: str | os.PathLike) -> bool:
 
 
 NO_SUCH_DIRECTORY = "no such directory (a hub name is ORG/NAME)"
+WEIGHT_FILES = ("safetensors", "bin", "pt")  # what vLLM's default loader reads from a directory
 
 
-def local_model_problem(name: str | os.PathLike) -> str | None:
+def local_model_problem(name: str | os.PathLike, *, weights: bool = False) -> str | None:
     """Why `name` is no model vLLM can serve, to follow the name in a message (it starts with ": "
-    or " "): a path with no directory there, or a directory without `config.json` (naming the
-    newest checkpoint in it when it is a run's `weights/`). None for a model directory or a hub
-    name. vLLM says so only after its start-up, in a traceback of its own."""
+    or " "): a path with no directory there, a directory without `config.json` (naming the
+    newest checkpoint in it when it is a run's `weights/`), and with `weights` one without weight
+    files (the built-in models are a config and a tokenizer, trained from `random_init`). None for
+    a model directory or a hub name. vLLM says so only after its start-up, in a traceback of its own."""
     if missing_local_model(name):
         return f": {NO_SUCH_DIRECTORY}"
     path = Path(resolve_model_name(name))
-    if not path.is_dir() or (path / "config.json").is_file() or (path / "params.json").is_file():
+    if not path.is_dir() or (path / "params.json").is_file():
         return None
+    if (path / "config.json").is_file():
+        if not weights or any(next(path.glob(f"*.{ext}"), None) for ext in WEIGHT_FILES):
+            return None
+        return (" has no weights (no " + ", ".join(f"*.{ext}" for ext in WEIGHT_FILES) + " files): "
+                + ("a built-in model is a config and a tokenizer to train from random_init; " if path.parent == ASSETS
+                   else "") + "serve a checkpoint, e.g. a run's <run>/weights/step_N")
     steps = sorted((step_of(p), p) for p in path.iterdir() if step_of(p) is not None and (p / "config.json").is_file())
     if steps:
         return f" holds checkpoints, not a model: give one of them, e.g. {steps[-1][1]}"

@@ -267,6 +267,10 @@ def test_evaluate_and_serve_name_a_missing_directory_or_a_bad_env_before_any_ser
     (weights / "step_11").mkdir()  # no config.json: not a checkpoint to name
     err = user_error(["serve", "--model", str(weights)], capsys)
     assert f"--model {weights} holds checkpoints, not a model: give one of them, e.g. {weights / 'step_10'}" in err, err
+    # the built-in model is a config and a tokenizer: vLLM said "Cannot find any model weights" after its start-up
+    err = user_error(["serve", "--model", "lit-rl:tiny_qwen3"], capsys)
+    assert "--model lit-rl:tiny_qwen3 has no weights (no *.safetensors, *.bin, *.pt files)" in err, err
+    assert "random_init" in err, err
 
 
 def test_a_misspelt_server_option_is_named_before_any_server_starts(tmp_path, capsys):

@@ -82,12 +82,15 @@ def main(argv: list[str] | None = None) -> None:
     from lit_rl.inference.server import ServerStartError
 
     args, extra = parse(sys.argv[1:] if argv is None else argv)
-    if problem := local_model_problem(args.model):
-        raise UserError(f"--model {args.model}{problem}")
+    problems, server = [], None
     try:
         server = vllm_server(args, extra)
     except ValueError as e:  # a value it refuses, said with the flag that gave it
-        raise UserError(flag_names(str(e).removeprefix("VLLMServer: "), vars(args))) from e
+        problems.append(flag_names(str(e).removeprefix("VLLMServer: "), vars(args)))
+    if problem := local_model_problem(args.model, weights=not any(a.startswith("--load-format") for a in extra)):
+        problems.append(f"--model {args.model}{problem}")
+    if problems:  # every one at once, before anything starts
+        raise UserError("; ".join(problems))
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, even if started with SIGINT ignored
     print(f"lit-rl serve: starting vLLM for {args.model} (log: {server.log_path or 'a temporary file'}) ...", flush=True)
     # One try from the start: a Ctrl-C at any moment (while starting, while the ready line is being
