@@ -25,6 +25,41 @@ SET_BY_LIT_RL = ("model", "api_key", "allowed_root")
 EVALUATOR_SERVER_OPTIONS = ("num_infer_gpus",)
 
 
+# VLLMServer's parameters of a scalar type, by their annotation (the module has postponed annotations)
+SCALAR_TYPES = {"bool": (bool,), "int": (int,), "int | None": (int,), "float": (int, float), "float | None": (int, float)}
+
+
+def _scalar_types(name: str) -> tuple[type, ...] | None:
+    from lit_rl.inference.server import VLLMServer
+
+    parameter = inspect.signature(VLLMServer.__init__).parameters.get(name)
+    return None if parameter is None else SCALAR_TYPES.get(str(parameter.annotation))
+
+
+def _is_a(value, types: tuple[type, ...]) -> bool:
+    return isinstance(value, types) and (bool in types or not isinstance(value, bool))
+
+
+def typed_server_options(options: dict) -> dict:
+    """`options` with the strings given for VLLMServer's bool, int and float parameters read as a
+    YAML config reads them. A dotted flag into a config's untyped mapping (`--inference.server.
+    enforce_eager false`, `--inference.teacher_server.max_model_len 256`) gives the string
+    'false', which is true, or '256', which no check compares with data.max_tokens. A string that
+    reads as no such value stays, for `server_option_problems` to name."""
+    import yaml
+
+    typed = dict(options)
+    for name, value in options.items():
+        if isinstance(value, str) and (types := _scalar_types(name)):
+            try:
+                read = yaml.safe_load(value)
+            except yaml.YAMLError:
+                continue
+            if _is_a(read, types):
+                typed[name] = read
+    return typed
+
+
 def server_option_problems(options: dict, where: str, also: Iterable[str] = ()) -> list[str]:
     """What is wrong with `options` for a server lit-rl starts, one line per option, each starting
     with where they came from and the option's name (`where`: "inference.server.", "--server "): a
@@ -36,7 +71,7 @@ def server_option_problems(options: dict, where: str, also: Iterable[str] = ()) 
     parameters = inspect.signature(VLLMServer.__init__).parameters
     accepted = [name for name in parameters if name not in ("self", *SET_BY_LIT_RL)] + list(also)
     problems = []
-    for name in options:
+    for name, value in options.items():
         if name in SET_BY_LIT_RL:
             problems.append(f"{name} is not a server option here: lit-rl sets it (the model, the api_key and the "
                             "run directory have options of their own)")
@@ -44,6 +79,8 @@ def server_option_problems(options: dict, where: str, also: Iterable[str] = ()) 
             close = difflib.get_close_matches(name, accepted, n=1)
             problems.append(f"{name} is not a server option{f' (did you mean {close[0]}?)' if close else ''}; "
                             f"the options are {', '.join(accepted)}")
+        elif (types := _scalar_types(name)) and value is not None and not _is_a(value, types):
+            problems.append(f"{name} must be {' or '.join(t.__name__ for t in types)}, got {value!r}")
     if problem := extra_args_problem(options.get("extra_args", ()), options.get("dev_mode", True)):
         problems.append(problem)
     return [where + problem for problem in problems]

@@ -13,6 +13,7 @@ import pytest
 from helpers import REPO, TINY_MODEL, reverse_rows, write_jsonl
 from test_rollout_buffer import FAST, LOGPROB_TOL, TOK, collect, hf_logprobs
 
+from lit_rl.inference.runtime import InferenceRuntime
 from lit_rl.rollouts.buffer import RolloutBuffer
 from lit_rl.rollouts.context import TrainSampling
 from lit_rl.rollouts.envs import PromptsEnv, ReverseTextEnv
@@ -99,10 +100,12 @@ def test_every_source_problem_is_reported_at_once_before_any_server(data, tmp_pa
     code, _, stderr = lit_rl_main(["fit", "--config", GRPO_CONFIG, "--model.init_args.model", TINY_MODEL,
                                    "--model.init_args.random_init", "true", "--data.init_args.env.init_args.path", data,
                                    "--data.init_args.source", "teacher", "--trainer.default_root_dir",
-                                   str(tmp_path / "a"), "--trainer.max_steps", "2"])
+                                   str(tmp_path / "a"), "--trainer.max_steps", "2",
+                                   "--data.init_args.skip_zero_advantage", "true"])
     assert code == 1, stderr[-3000:]
     for words in ("needs a model to sample from: set inference.teacher_model", "inference.server are the policy's server",
-                  "can only feed a cross-entropy loss", "3 problem(s)"):
+                  "can only feed a cross-entropy loss", ("data.skip_zero_advantage rejects every group whose rewards are "
+                  "all equal; with data.source 'teacher' the reward is only a metric"), "4 problem(s)"):
         assert words in stderr, (words, stderr[-3000:])
     # SFT on the policy's own samples
     code, _, stderr = lit_rl_main(sft_args(tmp_path / "b", data, "--data.init_args.source", "policy",
@@ -142,4 +145,14 @@ def test_every_source_problem_is_reported_at_once_before_any_server(data, tmp_pa
                                            "--inference.teacher_model", TINY_MODEL, "--trainer.max_steps", "2"))
     assert code == 1 and "data.max_tokens (600) leaves no room for a prompt in inference.teacher_server.max_model_len " \
         "(512)" in stderr, stderr[-3000:]
+    # the same options as dotted flags into the server's mapping: jsonargparse gives them as strings, so
+    # max_model_len '8' escaped the check above and enforce_eager 'false' (a true string) was on
+    teacher = ["--inference.teacher_model", TINY_MODEL, "--trainer.max_steps", "2"]
+    code, _, stderr = lit_rl_main(sft_args(tmp_path / "f", data, *teacher, "--inference.teacher_server.max_model_len", "8"))
+    assert code == 1 and "data.max_tokens (8) leaves no room for a prompt in inference.teacher_server.max_model_len " \
+        "(8)" in stderr, stderr[-3000:]
+    code, _, stderr = lit_rl_main(sft_args(tmp_path / "g", data, *teacher, "--inference.teacher_server.enforce_eager", "sometimes"))
+    assert code == 1 and "inference.teacher_server.enforce_eager must be bool, got 'sometimes'" in stderr, stderr[-3000:]
+    assert InferenceRuntime(teacher_model=TINY_MODEL, teacher_server={"enforce_eager": "false", "max_model_len": "8"}).teacher_server == {
+        "enforce_eager": False, "max_model_len": 8}
     assert not list(tmp_path.glob("*/vllm*.log"))  # refused before any server started

@@ -38,7 +38,7 @@ from lit_rl.eval.wandb_shared import describe_run, make_trainer_primary
 from lit_rl.inference.runtime import InferenceRuntime
 from lit_rl.rollouts.envs import Environment
 from lit_rl.run_dir import step_of
-from lit_rl.server_options import evaluator_server_problems
+from lit_rl.server_options import evaluator_server_problems, typed_server_options
 
 
 def check_cpus(cpus: list[int] | None) -> list[int] | None:
@@ -108,7 +108,7 @@ class OnlineEval(L.Callback):
         self.plan = EvalPlan(envs=[e.to_config() for e in envs], interval=interval, intervals=dict(intervals or {}),
                              eval_base=eval_base)
         self.names = names
-        self.base_url, self.api_key, self.server = base_url, api_key, dict(server or {})
+        self.base_url, self.api_key, self.server = base_url, api_key, typed_server_options(server or {})
         self.final_timeout = final_timeout
         self.cpus = check_cpus(cpus)
         self.chat_template_kwargs = chat_template_kwargs

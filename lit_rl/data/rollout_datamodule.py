@@ -276,6 +276,10 @@ class RolloutDataModule(L.LightningDataModule):
             if self.runtime.base_url or self.runtime.server:
                 problems.append("inference.base_url and inference.server are the policy's server; data.source "
                                 "'teacher' samples from the teacher (inference.teacher_model, inference.teacher_base_url)")
+            if self.skip_zero_advantage:
+                problems.append("data.skip_zero_advantage rejects every group whose rewards are all equal; with "
+                                "data.source 'teacher' the reward is only a metric, so it would drop the teacher's "
+                                "completions of the prompts it answers equally well (all of them right, say): set it false")
             if kind not in (None, "cross_entropy"):
                 problems.append(f"data.source {self.source!r} is not the policy's own samples, so it can only feed a "
                                 f"cross-entropy loss (lit_rl.modules.SFT), not {kind} "

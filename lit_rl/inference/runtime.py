@@ -68,7 +68,7 @@ from lit_rl.lora import lora_server_options
 from lit_rl.model_names import local_model_problem
 from lit_rl.run_dir import base_dir, lease
 from lit_rl.run_seed import run_seed, with_sampler_seed
-from lit_rl.server_options import server_option_problems, with_server_args
+from lit_rl.server_options import server_option_problems, typed_server_options, with_server_args
 
 ROLES = ("policy", "teacher")
 ADAPTER_NAME = "lit-rl-policy"  # the policy's LoRA adapter, as rollouts ask for it from the server
@@ -151,9 +151,9 @@ class InferenceRuntime(L.Callback):
                 less CPU and wall time per step; each call then gets its answer when the request's
                 longest completion ends). False: one request per call.
         """
-        self.base_url, self.api_key, self.server = base_url, api_key, dict(server or {})
+        self.base_url, self.api_key, self.server = base_url, api_key, typed_server_options(server or {})
         self.teacher_model, self.teacher_base_url = teacher_model, teacher_base_url
-        self.teacher_api_key, self.teacher_server = teacher_api_key, dict(teacher_server or {})
+        self.teacher_api_key, self.teacher_server = teacher_api_key, typed_server_options(teacher_server or {})
         self.teacher_tokenizer = teacher_tokenizer
         self.logprobs_mode = logprobs_mode
         self.max_server_restarts, self.health_check_interval = max_server_restarts, health_check_interval
