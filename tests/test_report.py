@@ -92,9 +92,12 @@ def test_a_last_row_cut_short_is_left_out(tmp_path, cut):
     """A full disk or a crash while the logger appended a row leaves it without its line end: the
     report failed on it (ValueError: could not convert string to float: '1e-'), or drew the number
     cut short."""
-    run = write_run(tmp_path / "run", [3.0, 2.0, 1.5])
+    run = write_run(tmp_path / "run", [3.0, 2.0, 1.5], evals={0: 0.25, 2: 0.5})
     with open(run / "logs" / "version_0" / "metrics.csv", "a") as f:
         f.write(cut)
+    with open(run / "evals" / "eval_metrics.csv", "a") as f:  # the evaluator's log, cut the same way
+        f.write(cut.replace("0,3,", "3,eval/reverse_text/reward,"))
     assert collect(run)["train/loss"] == {0: 3.0, 1: 2.0, 2: 1.5}
+    assert collect(run)["eval/reverse_text/reward"] == {0: 0.25, 2: 0.5}
     main([str(run)])
     assert (run / "report.png").stat().st_size > 10_000

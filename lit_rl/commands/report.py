@@ -14,14 +14,12 @@ that run replaced. A `lit-rl validate` launch is drawn at the step of the checkp
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import pickle
 import re
 from collections import defaultdict
 from pathlib import Path
 
-from lit_rl.eval.logging import read_eval_metrics
+from lit_rl.eval.logging import appended_rows, read_eval_metrics
 
 DEFAULT_METRICS = ("train/loss", "train/tokens_per_s", "val/loss")
 
@@ -33,7 +31,7 @@ def collect(run_dir: Path) -> dict[str, dict[int, float]]:
     (`validated_step`), or left out when that is unknown."""
     series: dict[str, dict[int, float]] = defaultdict(dict)
     for log_dir in launches(run_dir):
-        rows = metrics_rows(log_dir / "metrics.csv")
+        rows = appended_rows(log_dir / "metrics.csv")
         saved = saved_config(log_dir)
         trained = any(k.startswith("train/") and v not in ("", None) for r in rows for k, v in r.items())
         if trained and saved is not None and "ckpt_path" in saved and saved["ckpt_path"] is None:
@@ -50,17 +48,6 @@ def collect(run_dir: Path) -> dict[str, dict[int, float]]:
     for row in read_eval_metrics(run_dir / "evals"):  # standalone `lit-rl evaluate` runs
         series[row["name"]][row["step"]] = row["value"]
     return series
-
-
-def metrics_rows(path: Path) -> list[dict]:
-    """The rows of a launch's `metrics.csv` (none when there is none). A last row without its line
-    end was cut short (a full disk, or a crash, while the logger appended it) and is left out: a
-    number cut short is not read as another one, nor fails the report."""
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return []
-    return list(csv.DictReader(io.StringIO(text[: text.rfind("\n") + 1])))
 
 
 def launches(run_dir: Path) -> list[Path]:

@@ -11,6 +11,7 @@ with the trainer's run id) and logs `eval/*` against `eval/policy_version`.
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import time
 from pathlib import Path
@@ -50,8 +51,18 @@ class EvalLogger:
             self._wandb.finish()
 
 
-def read_eval_metrics(log_dir: str | Path) -> list[dict]:
-    path = Path(log_dir) / "eval_metrics.csv"
-    if not path.is_file():
+def appended_rows(path: str | Path) -> list[dict]:
+    """The rows of a CSV file a logger appends to (the trainer's `metrics.csv`, `eval_metrics.csv`;
+    none when there is none). A last row without its line end was cut short (a full disk, or a
+    crash, while it was appended) and is left out: a number cut short is not read as another one,
+    nor fails the reader."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
         return []
-    return [{"step": int(r["step"]), "name": r["name"], "value": float(r["value"])} for r in csv.DictReader(open(path))]
+    return list(csv.DictReader(io.StringIO(text[: text.rfind("\n") + 1])))
+
+
+def read_eval_metrics(log_dir: str | Path) -> list[dict]:
+    return [{"step": int(r["step"]), "name": r["name"], "value": float(r["value"])}
+            for r in appended_rows(Path(log_dir) / "eval_metrics.csv")]
