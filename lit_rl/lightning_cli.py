@@ -100,11 +100,11 @@ class LitRLCLI(LightningCLI):
         try:
             self._resolve_last_checkpoint(subcommand)
             super()._run_subcommand(subcommand)
-            remove_empty_log_dir(self.trainer)
         except BaseException as e:
-            remove_empty_log_dir(self.trainer)
             self._refuse_unreadable_checkpoint(e)  # read when the trainer restores it
             raise
+        finally:
+            remove_empty_log_dir(self.trainer)
 
     def _parse_ckpt_path(self) -> None:
         """Lightning's reads a given checkpoint whole at start-up (weights and optimizer state, in
