@@ -44,7 +44,7 @@ from lit_rl.inference.client import (
 from lit_rl.commands import serve as serve_command
 from lit_rl.inference.endpoint import open_endpoint
 from lit_rl.inference.server import IPC_PREFIX, RENDEZVOUS_FILE, ServerStartError, VLLMServer
-from lit_rl.inference.vllm_main import FORK_ENV, FORKED, START_METHOD
+from lit_rl.inference.server_env import FORK_ENV, FORKED, START_METHOD
 from lit_rl.losses import shifted_token_logprobs
 from lit_rl.modules.model_loading import load_causal_lm
 from vllm_fixtures import write_tiny_checkpoint
@@ -104,6 +104,51 @@ def test_generate_returns_ids_text_and_hf_logprobs(vllm_server):
     expected = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert chat[0].prompt_ids == chat_prompt_ids(tok, messages)
     assert tok.decode(chat[0].prompt_ids) == expected
+
+
+def test_a_stop_given_as_one_string_stops_at_that_string(vllm_server):
+    """`stop` may be one string, as in the OpenAI API. Before, it was sent as `list(stop)`, its
+    characters: stop="ab" stopped at the first "a"."""
+    prompt = PROMPTS[1]
+
+    async def go():
+        async with vllm_server.client() as client:
+            async def text(**kw):
+                out = (await client.generate(prompt, max_tokens=32, temperature=0.0, ignore_eos=True, **kw))[0]
+                return out.text, out.finish_reason
+
+            full, _ = await text()
+            pair = full[len(full) // 2:len(full) // 2 + 2]
+            return full, pair, await text(stop=pair), await text(stop=pair[0] + "\x07")  # BEL: never generated
+
+    full, pair, stopped, never = run(go())
+    assert len(pair) == 2 and "\x07" not in full
+    assert stopped == (full[:full.index(pair)], "stop")
+    assert never == (full, "length")
+
+
+def test_concurrent_first_chats_load_the_tokenizer_once(vllm_server, monkeypatch):
+    """A client told no tokenizer loads the served model's on the first `chat`. Before, every call
+    that came while the model was being looked up loaded it again, blocking the event loop each
+    time: an eval's tasks all call `chat` at once, so an eval of 500 tasks loaded it 500 times."""
+    import lit_rl.inference.client as client_module
+
+    loads = []
+    load_tokenizer = client_module.load_tokenizer
+
+    def counting_load(name, **kwargs):
+        loads.append(name)
+        return load_tokenizer(name, **kwargs)
+
+    monkeypatch.setattr(client_module, "load_tokenizer", counting_load)
+    messages = [{"role": "user", "content": "reverse: apple"}]
+
+    async def go():
+        async with vllm_server.client() as client:
+            return await asyncio.gather(*[client.chat(messages, max_tokens=1) for _ in range(6)])
+
+    chats = run(go())
+    assert len(loads) == 1 and all(c[0].prompt_ids == chats[0][0].prompt_ids for c in chats)
 
 
 def test_requests_say_all_their_sampling_whatever_the_servers_generation_defaults(vllm_server):
@@ -303,6 +348,8 @@ def test_a_server_without_the_worker_extension_is_refused_a_tied_head_reload(tmp
         names = [p.name() for p in psutil.process_iter() if _pgid(p.pid) == server.proc.pid]
         assert "VLLM::EngineCore" in names and "VLLM::Worker" not in names, names
         assert FORKED in server.log_path.read_text()  # and that engine core forked from the API server
+        # its entry point ran once, as __main__: not imported by lit_rl.inference first (runpy warns)
+        assert "found in sys.modules" not in server.log_path.read_text()
         before, after = run(refused_reload())
         (store,) = RENDEZVOUS_FILE.findall(server.log_path.read_text())
         assert Path(store).exists(), store

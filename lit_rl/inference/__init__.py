@@ -1,6 +1,7 @@
 """Inference for rollouts, teacher scoring and evals: a vLLM server in its own process and an async client.
 
     server.py   VLLMServer (start / health / stop of vLLM's OpenAI server, through vllm_main.py)
+    server_env.py  the variables that set up vllm_main.py's process (apart: it runs as __main__)
     cpu_engine.py  on a CPU build, the worker in the engine core's process (one interpreter fewer)
     endpoint.py open_endpoint (start one, or use an existing base_url)
     worker_extension.py  WorkerExtension (runs inside vLLM's workers: reloads that repair a tied head)

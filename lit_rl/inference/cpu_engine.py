@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from lit_rl.inference.vllm_main import FORK_ENV, START_METHOD
+from lit_rl.inference.server_env import FORK_ENV, START_METHOD
 
 ONE_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 BIND = "VLLM_CPU_OMP_THREADS_BIND"

@@ -49,7 +49,7 @@ from pathlib import Path
 
 from lit_rl.child_process import dies_with_parent, pid_alive, stop_process_group
 from lit_rl.inference.cpu_engine import ONE_PROCESS, worker_in_engine_env
-from lit_rl.inference.vllm_main import SPIN_ENV
+from lit_rl.inference.server_env import SPIN_ENV
 from lit_rl.model_names import resolve_model_name
 
 log = logging.getLogger(__name__)

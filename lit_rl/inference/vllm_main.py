@@ -47,10 +47,7 @@ import socket
 import sys
 import traceback
 
-SPIN_ENV = "LIT_RL_VLLM_SPIN_S"
-FORK_ENV = "LIT_RL_VLLM_FORK_ENGINE"
-START_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
-FORKED = "lit-rl: vLLM's engine core starts by fork (its executor is the single-process one)"
+from lit_rl.inference.server_env import FORK_ENV, FORKED, SPIN_ENV, START_METHOD
 
 
 def set_spin_wait(seconds: float) -> bool:
