@@ -67,6 +67,28 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def missing_config_file(args: list[str]) -> str | None:
+    """The first `--config`/`-c` value that is neither a file nor an inline YAML mapping (which
+    jsonargparse also takes): its own refusal of a missing file comes after a usage message of every
+    flag of the command, some 200 lines."""
+    for i, arg in enumerate(args):
+        if arg in ("--config", "-c") and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(("--config=", "-c=")):
+            value = arg.split("=", 1)[1]
+        else:
+            continue
+        if not os.path.isfile(value) and not value.lstrip().startswith(("{", "[")) and ":" not in value:
+            return value
+    return None
+
+
+def refuse_missing_config_file(args: list[str]) -> None:
+    if (missing := missing_config_file(args)) is not None:
+        raise UserError(f"--config {missing}: no such file (a relative path is read from the working directory, "
+                        f"{os.getcwd()})")
+
+
 def run_command(args: list[str], argv: list[str] | None) -> None:
     """Dispatch to a lit-rl command or to LightningCLI (which reads sys.argv itself when `argv` is None)."""
     if not args or args[0] in ("-h", "--help", "help"):
@@ -82,6 +104,7 @@ def run_command(args: list[str], argv: list[str] | None) -> None:
         close = difflib.get_close_matches(name, COMMANDS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise UserError(f"unknown command {name!r}{hint}; the commands are {', '.join(COMMANDS)} (lit-rl --help)")
+    refuse_missing_config_file(args)
     from lit_rl.lightning_cli import run_lightning  # here: the other commands start without Lightning
 
     run_lightning(argv)

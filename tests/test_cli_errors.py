@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import reverse_rows, write_jsonl
+from helpers import REPO, TINY_MODEL, reverse_rows, write_jsonl
 from lit_rl import cli
 from lit_rl.errors import UserError, user_message
 
@@ -113,6 +113,30 @@ def test_option_value_that_a_class_rejects(capsys):
         assert "invalid config: model.max_grad_norm must be > 0, or null to disable clipping (HF Trainer's 0)" in err, err
 
 
+def test_a_dtype_that_is_not_one_is_refused_when_the_config_is_read(tmp_path, capsys):
+    """Before: `bf16` passed the config, the data loaded, and the model's load was a ValueError traceback."""
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
+    err = user_error([*fit_args(tmp_path, data), "--model.init_args.dtype", "bf16"], capsys)
+    assert "invalid config: model.init_args.dtype must be one of ['bfloat16', 'float16', 'float32'], got 'bf16'" in err, err
+
+
+def test_grpo_options_that_would_do_nothing_are_refused(tmp_path, capsys):
+    """A YAML `.nan` passes jsonargparse's float (the command line's `nan` does not): NaN turned the KL
+    penalty off without a word. A reference without the penalty was never loaded, and TRL's
+    max_completion_length (its generation limit) was dapo's unused constant here."""
+    grpo = ["fit", "--config", str(REPO / "examples" / "reverse_text" / "grpo.yaml"), "--model.init_args.model", TINY_MODEL,
+            "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.max_steps", "0"]
+    nan = tmp_path / "nan.yaml"
+    nan.write_text("model:\n  init_args:\n    kl_coef: .nan\n")
+    err = user_error([*grpo, "--config", str(nan)], capsys)
+    assert "invalid config: GRPO: kl_coef must be a finite number >= 0, got nan" in err, err
+    err = user_error([*grpo, "--model.init_args.reference_model", TINY_MODEL], capsys)
+    assert f"GRPO: reference_model '{TINY_MODEL}' is the reference of the KL penalty, which kl_coef 0 turns off" in err, err
+    err = user_error([*grpo, "--model.init_args.max_completion_length", "256"], capsys)
+    assert "GRPO: max_completion_length (256) is dr_grpo's constant only, unused by loss_type 'dapo'; completions " \
+           "are limited by data.init_args.max_tokens" in err, err
+
+
 def test_unknown_command_suggests_the_closest(capsys):
     err = user_error(["fitt", "--config", CONFIG], capsys)
     assert "unknown command 'fitt' (did you mean 'fit'?)" in err
@@ -162,6 +186,20 @@ def test_a_bug_inside_a_configured_class_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(LightningCLI, "instantiate_classes", broken)
     with pytest.raises(ValueError, match="Union subtypes"):
         cli.main(["fit", "--config", CONFIG])
+
+
+@pytest.mark.parametrize("args", [["fit", "--config"], ["validate", "-c"], ["data", "preview", "--config"]])
+def test_a_config_file_that_is_not_there_is_one_line(args, tmp_path, capsys):
+    """Not jsonargparse's refusal after the command's usage (every flag of the config, some 200 lines)."""
+    err = user_error([*args, str(tmp_path / "nope.yaml")], capsys)
+    assert f"--config {tmp_path / 'nope.yaml'}: no such file" in err and len(err.splitlines()) == 2, err[:3000]
+
+
+def test_an_inline_config_is_not_taken_for_a_missing_file(capsys):
+    with pytest.raises(SystemExit) as e:  # jsonargparse's --config takes YAML text too
+        cli.main(["fit", "--config", CONFIG, "--config", "{trainer: {max_steps: 1}}", "--print_config"])
+    out = capsys.readouterr()
+    assert e.value.code == 0 and "max_steps: 1\n" in out.out, out.err[-2000:]
 
 
 def test_preview_option_that_is_not_accepted(capsys):

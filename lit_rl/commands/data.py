@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 
+from lit_rl.cli import refuse_missing_config_file
 from lit_rl.data.steps import BadRowError
 from lit_rl.errors import UserError
 
@@ -77,6 +78,7 @@ def preview(argv: list[str]) -> int:
     unknown = [a for a in overrides if a.startswith("-") and "." not in a.split("=")[0]]
     if unknown:  # not a dotted config override either: say so here, not with fit's 200-line usage
         parser.error(f"unrecognized arguments: {' '.join(unknown)} (config overrides are dotted, e.g. --data.init_args.path)")
+    refuse_missing_config_file(["--config", args.config])
     if args.rows < 1:
         raise UserError(f"--rows must be >= 1, got {args.rows}")
     dm = build_datamodule(args.config, overrides)
