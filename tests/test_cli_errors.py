@@ -137,6 +137,25 @@ def test_grpo_options_that_would_do_nothing_are_refused(tmp_path, capsys):
            "are limited by data.init_args.max_tokens" in err, err
 
 
+def test_bad_sampling_options_are_named_by_their_flags_before_any_server(tmp_path, capsys):
+    """Named as the config spells them (data.temperature), not as a TrainSampling's fields; a top_k
+    vLLM refuses was found only at the first request (or, with a processed distribution, was a
+    ValueError's traceback), and a YAML `.nan` temperature passed."""
+    grpo = ["fit", "--config", str(REPO / "examples" / "reverse_text" / "grpo.yaml"), "--model.init_args.model", TINY_MODEL,
+            "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.max_steps", "1",
+            "--data.init_args.env.init_args.path", write_jsonl(tmp_path / "d.jsonl", reverse_rows(4))]
+    started = time.monotonic()
+    err = user_error([*grpo, "--data.init_args.temperature", "-1", "--data.init_args.top_k", "-5",
+                      "--data.init_args.top_p", "0"], capsys)
+    assert "data.temperature must be >= 0, got -1.0" in err and "data.top_p must be in (0, 1], got 0.0" in err, err
+    assert "data.top_k must be -1, 0 (both: off), >= 1 or null, got -5" in err and "TrainSampling" not in err, err
+    nan = tmp_path / "nan.yaml"
+    nan.write_text("data:\n  init_args:\n    temperature: .nan\n")
+    err = user_error([*grpo, "--config", str(nan)], capsys)
+    assert "data.temperature must be >= 0, got nan" in err, err
+    assert time.monotonic() - started < 60 and not (tmp_path / "run" / "vllm.log").exists()  # no server started
+
+
 def test_unknown_command_suggests_the_closest(capsys):
     err = user_error(["fitt", "--config", CONFIG], capsys)
     assert "unknown command 'fitt' (did you mean 'fit'?)" in err

@@ -49,7 +49,7 @@ from lit_rl.errors import ConfigError
 from lit_rl.inference.runtime import InferenceRuntime
 from lit_rl.model_names import load_tokenizer
 from lit_rl.rollouts.buffer import RolloutBuffer, rollout_option_problems
-from lit_rl.rollouts.context import TrainSampling
+from lit_rl.rollouts.context import TrainSampling, sampling_problems
 from lit_rl.rollouts.envs import Environment
 from lit_rl.rollouts.filters import GibberishFilter, RepetitionFilter
 from lit_rl.rollouts.scheduler import StalenessScheduler
@@ -193,10 +193,7 @@ class RolloutDataModule(L.LightningDataModule):
         elif isinstance(self.env, Environment):
             if problem := self.env.tasks_problem():
                 problems.append(f"data.env ({type(self.env).__name__}): {problem}")
-        try:
-            TrainSampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
-        except ValueError as e:
-            problems.append(f"data sampling: {e}")
+        problems += self._sampling_problems()
         if self.temperature == 0 and self.group_size > 1:
             problems.append(f"data.temperature 0 is greedy: the {self.group_size} completions of a task "
                             f"(data.group_size) would all be the same, and vLLM refuses n > 1 for greedy "
@@ -262,8 +259,8 @@ class RolloutDataModule(L.LightningDataModule):
         if problem := completion_room_problem(self.max_tokens, options, what="data.max_tokens",
                                               where=f"inference.{sampler}."):
             problems.append(problem)
-        if self.source == "policy" and not self.sampling_process.is_identity and self.runtime.base_url and (
-                self.runtime.logprobs_mode != "processed_logprobs"):
+        if (self.source == "policy" and self.runtime.base_url and self.runtime.logprobs_mode != "processed_logprobs"
+                and not self._sampling_problems() and not self.sampling_process.is_identity):
             problems.append(f"data.temperature {self.temperature}, top_p {self.top_p}, top_k {self.top_k} sample from "
                             "a processed distribution, and an existing policy server (inference.base_url) reports "
                             "raw T=1 logprobs unless started with --logprobs-mode processed_logprobs (vLLM does not "
@@ -294,6 +291,9 @@ class RolloutDataModule(L.LightningDataModule):
         """Whether the policy's samples come scored by a teacher (`teacher_logprobs`: what OPD
         trains on); the run's `InferenceRuntime` serves the teacher. Known after `setup`."""
         return self.source == "policy" and self.runtime is not None and self.runtime.has_teacher
+
+    def _sampling_problems(self) -> list[str]:
+        return sampling_problems(self.max_tokens, self.temperature, self.top_p, self.top_k, prefix="data.")
 
     @property
     def sampling_process(self) -> SamplingProcess:

@@ -11,6 +11,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def sampling_problems(max_tokens: int, temperature: float, top_p: float, top_k: int | None, *,
+                      prefix: str = "") -> list[str]:
+    """What is wrong with training sampling settings, each field named as `prefix` + its name (a
+    config's `data.` fields have the same names). vLLM would refuse them only at the first request,
+    after the servers started."""
+    problems = []
+    if max_tokens < 1:
+        problems.append(f"{prefix}max_tokens must be >= 1, got {max_tokens}")
+    if not temperature >= 0:
+        problems.append(f"{prefix}temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        problems.append(f"{prefix}top_p must be in (0, 1], got {top_p}")
+    if top_k is not None and top_k < -1:
+        problems.append(f"{prefix}top_k must be -1, 0 (both: off), >= 1 or null, got {top_k}")
+    return problems
+
+
 @dataclass(frozen=True)
 class TrainSampling:
     """Sampling settings for training rollouts (not evals)."""
@@ -22,14 +39,7 @@ class TrainSampling:
     seed: int | None = None  # None: a fresh draw every request (a fixed seed repeats samples across steps)
 
     def __post_init__(self) -> None:
-        problems = []
-        if self.max_tokens < 1:
-            problems.append(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            problems.append(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if problems:
+        if problems := sampling_problems(self.max_tokens, self.temperature, self.top_p, self.top_k):
             raise ValueError("TrainSampling: " + "; ".join(problems))
 
     def request_kwargs(self) -> dict:
