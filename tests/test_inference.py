@@ -772,6 +772,75 @@ def test_a_request_that_times_out_is_not_retried_unlike_a_dropped_connection_or_
     assert took > 1.0  # the retries' backoff (0.5 s, 1 s)
 
 
+class Garbled:
+    """A local HTTP server whose `/v1/models` lists the model "m" and whose other routes answer
+    200 with `body` (`content_type`): what vLLM never sends, but a wrong `base_url` (a web page, a
+    proxy's login page) or a broken proxy in front of a server does."""
+
+    def __init__(self, body: bytes, content_type: str = "application/json"):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self.answer()
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                self.answer()
+
+            def answer(self):
+                listed = self.path.endswith("/models")
+                data = json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode() if listed else body
+                self.send_response(200)
+                self.send_header("content-type", "application/json" if listed else content_type)
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_an_answer_that_is_not_an_openai_servers_is_an_inference_server_error_naming_the_request():
+    """Before: a 200 answer the client could not read came out as the SDK's or the parser's own
+    error, naming neither the request nor the server: an HTML page as "AttributeError: 'str'
+    object has no attribute '_set_private_attributes'", cut JSON as a JSONDecodeError, an answer
+    without choices or with a null logprob as a TypeError (and a teacher's, not as a
+    TeacherServerError, so a run could not say which server failed)."""
+    choice = {"index": 0, "text": "a", "finish_reason": "stop", "token_ids": [5], "prompt_token_ids": [1, 2, 3]}
+    cases = {
+        "html": (b"<html><body>Sign in</body></html>", "text/html"),
+        "cut json": (b'{"id": "cmpl-1", "choices": [', "application/json"),
+        "no choices": (json.dumps({"error": {"message": "upstream failed"}}).encode(), "application/json"),
+        "null logprob": (json.dumps({"id": "cmpl-1", "choices": [{**choice, "logprobs": {"token_logprobs": [None]}}]}).encode(),
+                         "application/json"),
+    }
+
+    async def call(server: Garbled, batch: bool) -> BaseException:
+        async with InferenceClient(f"http://127.0.0.1:{server.port}/v1", batch_prompts=batch) as client:
+            with pytest.raises(Exception) as err:
+                await client.generate([1, 2, 3], max_tokens=4)
+            return err.value
+
+    for name, (body, content_type) in cases.items():
+        server = Garbled(body, content_type)
+        try:
+            for batch in (False, True):
+                error = run(call(server, batch))
+                assert isinstance(error, InferenceServerError), (name, repr(error))
+                assert str(error).startswith("generate: ") and f"127.0.0.1:{server.port}" in str(error), (name, str(error))
+        finally:
+            server.close()
+
+
 def test_ctrl_c_stops_evaluate_at_once_while_it_waits_for_a_checkpoint_or_its_server(tmp_path):
     """One Ctrl-C (SIGINT to the process group, as a terminal sends it) ends `lit-rl evaluate` with
     exit 130 and no traceback, and stops the server it was starting. Before: the waits for the first

@@ -84,6 +84,28 @@ def test_a_rejected_prompt_fails_only_its_own_call(vllm_server):
     assert requests == 1 + 3  # the joined request, then each prompt alone
 
 
+def test_a_call_cancelled_before_its_request_was_rejected_is_not_sent_again(vllm_server):
+    """A rejected request is sent again prompt by prompt; before, also the prompts of the calls
+    that had been cancelled meanwhile (a rollout's timeout): a whole generation for nobody."""
+    unknown = PROMPTS[2] + [10**6]  # a token id outside the vocabulary: vLLM answers 400
+
+    async def go():
+        async with vllm_server.client() as client:
+            await client.max_model_len()  # the model's lookup done: the next calls go straight to the batcher
+            calls = [asyncio.ensure_future(client.generate(p, max_tokens=4, ignore_eos=True))
+                     for p in (PROMPTS[0], unknown, PROMPTS[1])]
+            while not (batcher := client._batchers.get("generate")) or not batcher.requests:
+                await asyncio.sleep(0)  # until the joined request has left (a 400 takes a round trip more)
+            calls[2].cancel()
+            answers = await asyncio.gather(*calls, return_exceptions=True)
+            return answers, batcher.requests
+
+    (first, rejected, cancelled), requests = asyncio.run(go())
+    assert isinstance(rejected, InferenceRequestError) and isinstance(cancelled, asyncio.CancelledError)
+    assert first[0].prompt_ids == PROMPTS[0] and len(first[0].completion_ids) == 4
+    assert requests == 1 + 2  # the joined request, then the two calls still waiting, each alone
+
+
 def test_a_cancelled_call_drops_out_and_the_request_ends_when_all_are_cancelled(vllm_server):
     async def go():
         async with vllm_server.client() as client:

@@ -19,8 +19,9 @@ for a batch to fill. The price is that every call of a batch gets its answer whe
 longest completion ends.
 
 A request the server rejects (4xx: e.g. one prompt longer than the model's context) is sent
-again prompt by prompt, so the rejection reaches only the call that caused it. A call that
-is cancelled drops out; the request itself is cancelled once every call in it is.
+again prompt by prompt (those of the calls still waiting), so the rejection reaches only the
+call that caused it. A call that is cancelled drops out; the request itself is cancelled once
+every call in it is.
 """
 
 from __future__ import annotations
@@ -109,8 +110,8 @@ class PromptBatcher:
                 future.cancel()
             raise
         except Exception as e:
-            if len(calls) > 1 and self._is_rejection(e):
-                await asyncio.gather(*(self._answer([call], settings) for call in calls))
+            if len(calls) > 1 and self._is_rejection(e):  # again prompt by prompt, for the calls still waiting
+                await asyncio.gather(*(self._answer([call], settings) for call in calls if not call[1].done()))
                 return
             for _, future in calls:
                 if not future.done():

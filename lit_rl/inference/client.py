@@ -209,7 +209,7 @@ class InferenceClient:
         top_p: float = 1.0,
         top_k: int | None = None,
         seed: int | None = None,
-        stop: Sequence[str] | None = None,
+        stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
         extra_body: dict | None = None,
@@ -228,6 +228,8 @@ class InferenceClient:
             body["stop_token_ids"] = list(stop_token_ids)
         if ignore_eos:
             body["ignore_eos"] = True
+        if isinstance(stop, str):  # one stop string, as the OpenAI API takes it (list() would split it into characters)
+            stop = [stop]
         optional = {"seed": seed, "stop": list(stop) if stop else None}
         await self._check_room("generate", prompt_ids)
         if self._context_cap is not None:  # cut as the server cuts at its own context: finish_reason "length"
@@ -291,11 +293,14 @@ class InferenceClient:
             raise InferenceServerError("generate: the server returned no token ids (return_token_ids needs vLLM >= 0.10.2)")
         if len(lps) != len(ids):
             raise InferenceServerError(f"generate: {len(ids)} token ids but {len(lps)} logprobs in the answer")
-        return Completion(
-            prompt_ids=[int(t) for t in prompt], completion_ids=[int(t) for t in ids],
-            logprobs=[float(x) for x in lps], finish_reason=str(choice.finish_reason), text=choice.text,
-            stop_reason=extra.get("stop_reason"),
-        )
+        try:
+            return Completion(
+                prompt_ids=[int(t) for t in prompt], completion_ids=[int(t) for t in ids],
+                logprobs=[float(x) for x in lps], finish_reason=str(choice.finish_reason), text=choice.text,
+                stop_reason=extra.get("stop_reason"),
+            )
+        except (TypeError, ValueError) as e:
+            raise InferenceServerError(f"generate: malformed choice from {self.root_url} ({e}): {str(choice)[:300]!r}") from e
 
     # ---- weights ----------------------------------------------------------------------------------
     async def reload_weights(self, step_path: str | Path) -> int:
@@ -422,6 +427,9 @@ class InferenceClient:
         resp = await self._call(what, self.openai.completions.create(
             prompt=prompts[0] if len(prompts) == 1 else prompts, **settings))
         n = settings.get("n", 1)
+        if not isinstance(getattr(resp, "choices", None), list):  # e.g. an HTML page (the SDK returns it as a str)
+            raise InferenceServerError(f"{what}: the answer from {self.root_url} has no choices (is it an "
+                                       f"OpenAI-compatible (vLLM) server?): {str(resp)[:300]!r}")
         choices = sorted(resp.choices, key=lambda c: c.index)
         if len(choices) != n * len(prompts):
             raise InferenceServerError(f"{what}: asked for {n} choice(s) for each of {len(prompts)} prompt(s), the server "
@@ -509,10 +517,11 @@ class InferenceClient:
         self.model = self.model or served.id
 
     async def tokenizer(self):
-        if self._tokenizer is None or isinstance(self._tokenizer, (str, Path)):
-            if self._tokenizer is None:
-                await self._look_up_listed()  # also when the model was named: its card says where it is
+        if self._tokenizer is None:
+            await self._look_up_listed()  # also when the model was named: its card says where it is
+            if self._tokenizer is None:  # the calls that waited with this one for the lookup: only the first names it
                 self._tokenizer = self._served_root or self.model
+        if isinstance(self._tokenizer, (str, Path)):  # loaded without an await: concurrent calls load it once
             self._tokenizer = load_tokenizer(self._tokenizer)  # a directory here, or a hub name (a UserError if neither)
         return self._tokenizer
 
@@ -534,6 +543,10 @@ class InferenceClient:
             if e.status_code >= 500:
                 raise InferenceServerError(f"{what}: server error {e.status_code} from {self.root_url}: {message}") from e
             raise InferenceRequestError(f"{what}: the server rejected the request ({e.status_code}): {message}") from e
+        except (openai.APIError, ValueError, AttributeError, TypeError) as e:  # a 2xx answer the SDK could not read
+            # (cut JSON, a page the SDK tried to parse): the server's fault, named, not the SDK's traceback
+            raise InferenceServerError(f"{what}: unreadable answer from {self.root_url} ({type(e).__name__}: {e}); "
+                                       "is it an OpenAI-compatible (vLLM) server?") from e
 
     def _state(self) -> str:
         return self._diagnose() if self._diagnose else "is it running? (lit-rl did not start this server)"
