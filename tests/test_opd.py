@@ -9,14 +9,13 @@ tests/test_rollout_buffer.py: measured 9.5e-7 for vLLM vs HF in float32 on CPU).
 from __future__ import annotations
 
 import asyncio
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
 from helpers import REPO, TINY_MODEL, reverse_rows, write_jsonl
 from test_rollout_buffer import FAST, LOGPROB_TOL, TOK, collect, hf_logprobs, hf_model
 from transformers import AutoTokenizer
+from vllm_fixtures import write_tiny_checkpoint
 
 from lit_rl.rollouts.buffer import RolloutBuffer
 from lit_rl.rollouts.context import TrainSampling
@@ -105,8 +104,8 @@ def test_opd_without_a_teacher_or_with_another_tokenizer_is_refused_before_any_s
     other = tmp_path / "other_tokenizer"
     tok = AutoTokenizer.from_pretrained(TINY_MODEL)
     tok.add_tokens(["<teacher_only>"])
+    write_tiny_checkpoint(other, seed=1)  # a servable model directory (never served: refused first)
     tok.save_pretrained(other)
-    shutil.copy(Path(TINY_MODEL) / "config.json", other)  # a model directory (its weights are never read)
     code, _, stderr = lit_rl_main(opd_args(tmp_path / "b", data, TINY_MODEL, 2, "--model.init_args.random_init", "true",
                                            "--inference.teacher_model", str(other)))
     assert code == 1 and "another vocabulary" in stderr, stderr[-3000:]
@@ -135,11 +134,12 @@ def test_a_teacher_servers_tokenizer_may_be_named_for_the_check(vllm_server, dat
 
 def test_bad_distillation_options_and_two_teachers_are_refused_before_any_server(data, tmp_path, lit_rl_main):
     student = ("--model.init_args.random_init", "true")
+    servable = str(write_tiny_checkpoint(tmp_path / "teacher", seed=1))  # a teacher vLLM could serve (never started)
     code, _, stderr = lit_rl_main(opd_args(tmp_path / "a", data, TINY_MODEL, 2, *student, "--model.init_args.divergence",
                                            "reverse_kl", "--model.init_args.teacher_top_k", "0"))
     assert code == 1 and "teacher_top_k must be an int >= 1, got 0" in stderr, stderr
     code, _, stderr = lit_rl_main(opd_args(tmp_path / "b", data, TINY_MODEL, 2, *student, "--model.init_args.teacher_model",
-                                           TINY_MODEL, "--inference.teacher_model", TINY_MODEL))
+                                           TINY_MODEL, "--inference.teacher_model", servable))
     assert code == 1 and "OPD: two teachers" in stderr, stderr
     code, _, stderr = lit_rl_main(opd_args(tmp_path / "c", data, TINY_MODEL, 2, *student, "--model.init_args.beta", "2"))
     assert code == 1 and "beta must be in [0, 1], got 2.0" in stderr, stderr
@@ -156,22 +156,23 @@ def test_bad_distillation_options_and_two_teachers_are_refused_before_any_server
     # a teacher directory that is missing, or no model (before: transformers' traceback at the start)
     (tmp_path / "empty").mkdir()
     for run, teacher, said in (("f", tmp_path / "missing", ": no such directory"),
-                               ("g", tmp_path / "empty", " has no config.json: not a model directory")):
+                               ("g", tmp_path / "empty", " has no config.json: not a model directory"),
+                               ("j", TINY_MODEL, " has no weights")):  # vLLM said so after its start-up
         code, _, stderr = lit_rl_main(opd_args(tmp_path / run, data, TINY_MODEL, 2, *student,
                                                "--inference.teacher_model", str(teacher)))
         assert code == 1 and f"inference.teacher_model {teacher}{said}" in stderr, stderr
     # a reward mixed into the sampled-token advantage, with one completion per task: always 0
     code, _, stderr = lit_rl_main(opd_args(tmp_path / "h", data, TINY_MODEL, 2, *student, "--model.init_args.divergence",
                                            "sampled_reverse_kl", "--model.init_args.reward_weight", "0.5",
-                                           "--data.init_args.group_size", "1", "--inference.teacher_model", TINY_MODEL))
+                                           "--data.init_args.group_size", "1", "--inference.teacher_model", servable))
     assert code == 1 and "with data.group_size 1 every such advantage is 0" in stderr, stderr[-3000:]
     # GRPO with opd.yaml's teacher left in: a second server scoring every sample for nothing
     grpo = ["fit", "--config", str(REPO / "examples/reverse_text/grpo.yaml"), "--model.init_args.model", TINY_MODEL,
             "--data.init_args.env.init_args.path", data, "--trainer.default_root_dir", str(tmp_path / "i"),
-            "--inference.teacher_model", TINY_MODEL]
+            "--inference.teacher_model", servable]
     code, _, stderr = lit_rl_main(grpo)
     assert code == 1 and "and GRPO would not use a score" in stderr, stderr[-3000:]
-    for run in "abcdefghi":
+    for run in "abcdefghij":
         assert not (tmp_path / run / "vllm.log").exists() and not (tmp_path / run / "vllm_teacher.log").exists()
 
 

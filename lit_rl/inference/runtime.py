@@ -213,7 +213,8 @@ class InferenceRuntime(L.Callback):
                             f"{self.health_check_interval!r}")
         for name, options in (("server", self.server), ("teacher_server", self.teacher_server)):
             problems += server_option_problems(options, where=f"inference.{name}.")
-        if self.teacher_model and (problem := local_model_problem(self.teacher_model)):
+        loads_weights = not any(str(a).startswith("--load-format") for a in (self.teacher_server or {}).get("extra_args") or ())
+        if self.teacher_model and (problem := local_model_problem(self.teacher_model, weights=loads_weights)):
             problems.append(f"inference.teacher_model {self.teacher_model}{problem}")
         if self.teacher_server and not self.teacher_model:
             problems.append("inference.teacher_server options need inference.teacher_model (the model to start a "
