@@ -80,10 +80,11 @@ def test_a_teacher_that_only_scores_is_served_without_a_tokenizer_and_one_that_s
         runtime.use(policy=policy, teacher=True, tokenizer=TINY_MODEL, teacher_top_k=8 if policy else 0)
         return runtime.teacher_server_options(tmp_path, 0).get("extra_args", [])
 
-    runtime = InferenceRuntime(teacher_model=TINY_MODEL, teacher_server={"dtype": "float32"})
+    teacher = write_tiny_checkpoint(tmp_path / "teacher", seed=1)  # never served here
+    runtime = InferenceRuntime(teacher_model=teacher, teacher_server={"dtype": "float32"})
     assert "--skip-tokenizer-init" in extra_args(runtime, policy=True)  # OPD: the policy samples
     assert "--skip-tokenizer-init" not in extra_args(runtime, policy=False)  # SFT on the teacher's completions
-    kept = InferenceRuntime(teacher_model=TINY_MODEL, teacher_server={"extra_args": ["--no-skip-tokenizer-init"]})
+    kept = InferenceRuntime(teacher_model=teacher, teacher_server={"extra_args": ["--no-skip-tokenizer-init"]})
     assert "--skip-tokenizer-init" not in extra_args(kept, policy=True)
     assert "--no-skip-tokenizer-init" in extra_args(kept, policy=True)
     # extra_args given as one string: refused by name (below), never split into characters

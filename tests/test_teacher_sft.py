@@ -12,6 +12,7 @@ import asyncio
 import pytest
 from helpers import REPO, TINY_MODEL, reverse_rows, write_jsonl
 from test_rollout_buffer import FAST, LOGPROB_TOL, TOK, collect, hf_logprobs
+from vllm_fixtures import write_tiny_checkpoint
 
 from lit_rl.inference.runtime import InferenceRuntime
 from lit_rl.rollouts.buffer import RolloutBuffer
@@ -141,18 +142,19 @@ def test_every_source_problem_is_reported_at_once_before_any_server(data, tmp_pa
     code, _, stderr = lit_rl_main(grpo + ["--data.init_args.max_tokens", "512"])
     assert code == 1 and "data.max_tokens (512) leaves no room for a prompt in inference.server.max_model_len (512)" \
         in stderr, stderr[-3000:]
+    servable = str(write_tiny_checkpoint(tmp_path / "teacher", seed=1))  # a teacher vLLM could serve (never started)
     code, _, stderr = lit_rl_main(sft_args(tmp_path / "e", data, "--data.init_args.max_tokens", "600",
-                                           "--inference.teacher_model", TINY_MODEL, "--trainer.max_steps", "2"))
+                                           "--inference.teacher_model", servable, "--trainer.max_steps", "2"))
     assert code == 1 and "data.max_tokens (600) leaves no room for a prompt in inference.teacher_server.max_model_len " \
         "(512)" in stderr, stderr[-3000:]
     # the same options as dotted flags into the server's mapping: jsonargparse gives them as strings, so
     # max_model_len '8' escaped the check above and enforce_eager 'false' (a true string) was on
-    teacher = ["--inference.teacher_model", TINY_MODEL, "--trainer.max_steps", "2"]
+    teacher = ["--inference.teacher_model", servable, "--trainer.max_steps", "2"]
     code, _, stderr = lit_rl_main(sft_args(tmp_path / "f", data, *teacher, "--inference.teacher_server.max_model_len", "8"))
     assert code == 1 and "data.max_tokens (8) leaves no room for a prompt in inference.teacher_server.max_model_len " \
         "(8)" in stderr, stderr[-3000:]
     code, _, stderr = lit_rl_main(sft_args(tmp_path / "g", data, *teacher, "--inference.teacher_server.enforce_eager", "sometimes"))
     assert code == 1 and "inference.teacher_server.enforce_eager must be bool, got 'sometimes'" in stderr, stderr[-3000:]
-    assert InferenceRuntime(teacher_model=TINY_MODEL, teacher_server={"enforce_eager": "false", "max_model_len": "8"}).teacher_server == {
+    assert InferenceRuntime(teacher_model=servable, teacher_server={"enforce_eager": "false", "max_model_len": "8"}).teacher_server == {
         "enforce_eager": False, "max_model_len": 8}
     assert not list(tmp_path.glob("*/vllm*.log"))  # refused before any server started
