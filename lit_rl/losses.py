@@ -60,7 +60,7 @@ def check_behaviour_options(is_correction: str, is_cap: float) -> list[str]:
     problems = []
     if is_correction not in IS_CORRECTIONS:
         problems.append(f"is_correction must be one of {IS_CORRECTIONS}, got {is_correction!r}")
-    if is_cap <= 0:
+    if not is_cap > 0:  # NaN too (a YAML .nan): every weight would be NaN; inf is no cap
         problems.append(f"is_cap must be > 0, got {is_cap}")
     return problems
 
@@ -71,7 +71,7 @@ def check_policy_loss_options(loss_type: str, is_correction: str, clip_low: floa
     problems = []
     if loss_type not in LOSS_TYPES:
         problems.append(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    if not 0 <= clip_low < 1 or clip_high < 0:
+    if not 0 <= clip_low < 1 or not clip_high >= 0:  # NaN refused; inf: no upper clip
         problems.append(f"need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}")
     problems += check_behaviour_options(is_correction, is_cap)
     if loss_type == "dr_grpo" and (max_completion_length is None or max_completion_length < 1):

@@ -34,7 +34,7 @@ BODY_METHOD = "lit_rl_body"  # the body's call, registered on the root as an FSD
 
 @dataclass
 class FSDP2Options:
-    """How the model is sharded under ``ModelParallelStrategy`` (ignored under other strategies).
+    """How the model is sharded under ``ModelParallelStrategy`` (other strategies refuse non-defaults).
 
     Args:
         mixed_precision: dtype the gathered parameters compute in (``bfloat16``, ``float16``);

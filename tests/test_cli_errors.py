@@ -120,6 +120,19 @@ def test_a_dtype_that_is_not_one_is_refused_when_the_config_is_read(tmp_path, ca
     assert "invalid config: model.init_args.dtype must be one of ['bfloat16', 'float16', 'float32'], got 'bf16'" in err, err
 
 
+@pytest.mark.parametrize("module", ["GRPO", "OPD"])
+def test_a_loss_on_the_policys_samples_refuses_dataset_rows_before_the_model_loads(module, tmp_path, capsys):
+    """Before: the model loaded, training started, and its first step failed on a ValueError."""
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
+    args = [*fit_args(tmp_path, data), "--model", f"lit_rl.modules.{module}", "--model.init_args.model", TINY_MODEL,
+            "--model.init_args.random_init", "true"]
+    if module == "OPD":
+        args += ["--model.init_args.teacher_model", TINY_MODEL]
+    err = user_error(args, capsys)
+    assert f"lit-rl fit: error: {module} trains on the policy's own samples, with the logprobs they were sampled " \
+           "with, and data is a StaticDataModule of dataset rows" in err, err
+
+
 def test_grpo_options_that_would_do_nothing_are_refused(tmp_path, capsys):
     """A YAML `.nan` passes jsonargparse's float (the command line's `nan` does not): NaN turned the KL
     penalty off without a word. A reference without the penalty was never loaded, and TRL's

@@ -77,6 +77,14 @@ def test_bad_options_are_one_error_naming_each():
         OPD(model=TINY_MODEL, advantage_baseline="mean")
 
 
+@pytest.mark.parametrize("options", [{"reward_weight": math.nan}, {"reward_weight": math.inf}, {"is_cap": math.nan}])
+def test_a_nan_or_inf_that_would_spoil_every_advantage_is_refused(options):
+    """A YAML `.nan` or `.inf` passes jsonargparse's float; `reward_weight < 0` and `is_cap <= 0` let
+    them through, to make every advantage or behaviour weight NaN at the first step, servers started."""
+    with pytest.raises(ValueError, match="reward_weight must be a finite number >= 0|is_cap must be > 0, got nan"):
+        OPD(model=TINY_MODEL, **options)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A student and a teacher of other weights (a directory with its tokenizer, as a user gives it)."""

@@ -77,6 +77,11 @@ def reference_update(model, samples, loss_type):
     return sgd_step(model, loss), loss.item()
 
 
+def dr_grpo_length(loss_type: str) -> int | None:
+    """GRPO's max_completion_length: dr_grpo's constant, refused with the other loss types."""
+    return 16 if loss_type == "dr_grpo" else None
+
+
 class OneStep(L.LightningDataModule):
     def __init__(self, step):
         super().__init__()
@@ -87,7 +92,8 @@ class OneStep(L.LightningDataModule):
 
 
 def trained(model, samples, loss_type, micro_batch_tokens, packing):
-    module = GRPO(model=TINY_MODEL, optimizer=sgd, max_grad_norm=None, loss_type=loss_type, max_completion_length=16,
+    module = GRPO(model=TINY_MODEL, optimizer=sgd, max_grad_norm=None, loss_type=loss_type,
+                  max_completion_length=dr_grpo_length(loss_type),
                   head_chunk_size=7)
     module.model = copy.deepcopy(model)
     step = build_step(samples, micro_batch_tokens=micro_batch_tokens, packing=packing)
@@ -144,6 +150,26 @@ def test_bad_options_are_reported_together():
     assert all(k in str(e.value) for k in ("loss_type", "is_cap", "kl_coef", "updates_per_batch must be an int >= 1"))
 
 
+def test_a_kl_reference_of_another_vocabulary_is_refused_when_it_loads(tmp_path):
+    """Its logprobs are read at the policy's token ids. Before: a smaller head failed at the first step
+    (servers started), a larger one gave a KL between unrelated tokens without a word."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lit_rl.errors import ConfigError
+
+    config = AutoConfig.from_pretrained(TINY_MODEL)
+    config.vocab_size += 64
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "other")
+    module = GRPO(model=TINY_MODEL, random_init=True, kl_coef=0.1, reference_model=str(tmp_path / "other"))
+    with pytest.raises(ConfigError, match=f"reference_model {tmp_path / 'other'} has an output head of "
+                                          f"{config.vocab_size} tokens, the policy {config.vocab_size - 64}"):
+        module.configure_model()
+    module.model.save_pretrained(tmp_path / "same")
+    same = GRPO(model=TINY_MODEL, random_init=True, kl_coef=0.1, reference_model=str(tmp_path / "same"))
+    same.configure_model()
+    assert same.frozen_models()
+
+
 class RankShare(L.LightningDataModule):
     """Each rank gets its half of the step's samples, as RolloutDataModule hands them out (the same
     samples for `steps` steps)."""
@@ -165,7 +191,8 @@ def test_two_ranks_give_the_update_of_policy_loss_over_the_whole_step(model, los
     """Tokens (dapo) or sequences (grpo) are counted over both ranks before the backward."""
     samples = rollout_samples(model, n=8)
     want, want_loss = reference_update(model, samples, loss_type)
-    module = GRPO(model=TINY_MODEL, optimizer=sgd, max_grad_norm=None, loss_type=loss_type, max_completion_length=16)
+    module = GRPO(model=TINY_MODEL, optimizer=sgd, max_grad_norm=None, loss_type=loss_type,
+                  max_completion_length=dr_grpo_length(loss_type))
     module.model = copy.deepcopy(model)
     trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=2, strategy="ddp_spawn", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

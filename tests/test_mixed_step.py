@@ -17,7 +17,7 @@ from lit_rl.modules.grpo import GRPO
 from lit_rl.modules.opd import OPD
 from lit_rl.modules.model_loading import load_causal_lm
 from helpers import TINY_MODEL
-from test_grpo_step import as_batch, rollout_samples, sgd, sgd_step
+from test_grpo_step import as_batch, dr_grpo_length, rollout_samples, sgd, sgd_step
 
 POLICY = Part("policy", "policy_gradient", 3.0, 1)
 OPD_PART = Part("policy", "distillation", 3.0, 1)
@@ -81,7 +81,8 @@ def mixed_share(rollouts, replay: int) -> MixedShare:
 
 
 def grpo(model, loss_type):
-    module = GRPO(model=TINY_MODEL, optimizer=sgd, max_grad_norm=None, loss_type=loss_type, max_completion_length=16,
+    module = GRPO(model=TINY_MODEL, optimizer=sgd, max_grad_norm=None, loss_type=loss_type,
+                  max_completion_length=dr_grpo_length(loss_type),
                   head_chunk_size=7)
     module.model = copy.deepcopy(model)
     return module

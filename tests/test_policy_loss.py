@@ -159,3 +159,12 @@ def test_bad_options_are_reported_together():
     assert "loss_type" in str(e.value) and "is_correction" in str(e.value) and "is_cap" in str(e.value)
     with pytest.raises(ValueError, match="max_completion_length"):
         policy_loss(lp, old, inf, adv, mask, loss_type="dr_grpo")
+
+
+@pytest.mark.parametrize("options", [{"is_cap": math.nan}, {"clip_high": math.nan}])
+def test_a_nan_option_is_refused(options):
+    """A YAML `.nan` passes jsonargparse's float, and `is_cap <= 0` or `clip_high < 0` let it through:
+    every token's loss was then NaN, a failed run at the first step."""
+    lp, old, inf, adv, mask = one_row()
+    with pytest.raises(ValueError, match="is_cap must be > 0, got nan|clip_high >= 0, got clip_low=0.2, clip_high=nan"):
+        policy_loss(lp, old, inf, adv, mask, **options)

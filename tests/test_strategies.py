@@ -77,6 +77,40 @@ def test_a_bad_sharding_option_names_the_flag(capsys, monkeypatch):
     assert "model.sharding.mixed_precision must be one of bfloat16, float16 or null, got 'bf16'" in err, err[-3000:]
 
 
+def test_sharding_options_under_another_strategy_are_refused_before_the_model_loads(tmp_path, lit_rl_main):
+    """Before: FSDP2's mixed precision (or CPU offload) under one process, DDP or FSDP1 trained in
+    float32 (all in memory) without a word."""
+    from test_cli import fit_args
+
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
+    code, _, stderr = lit_rl_main([*fit_args(tmp_path, data, steps=1), "--model.init_args.sharding.mixed_precision",
+                                   "bfloat16", "--model.init_args.sharding.cpu_offload", "true"])
+    assert code == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert "model.init_args.sharding (cpu_offload True, mixed_precision 'bfloat16') applies under FSDP2 only " \
+           "(configs/strategies/fsdp2.yaml), and this run's trainer.strategy SingleDeviceStrategy would ignore it" \
+           in stderr, stderr[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    # fsdp2.yaml's own sharding section (its defaults) under another strategy is no contradiction
+    code, _, stderr = lit_rl_main([*fit_args(tmp_path / "b", data, steps=1), "--config", str(STRATEGIES / "fsdp2.yaml"),
+                                   "--trainer.strategy", "auto", "--trainer.devices", "1"])
+    assert code == 0, stderr[-3000:]
+
+
+def test_torch_compile_under_fsdp2_is_refused_before_the_model_loads():
+    """Before: refused in `configure_model`, after the model (of any size) had loaded."""
+    from types import SimpleNamespace
+
+    from lit_rl.errors import ConfigError
+    from lit_rl.model_parallel import ModelParallelStrategy
+    from lit_rl.modules import SFT
+
+    module = SFT(torch_compile=True)
+    module._trainer = SimpleNamespace(strategy=ModelParallelStrategy(), datamodule=None)
+    with pytest.raises(ConfigError, match="model.init_args.torch_compile is not supported with ModelParallelStrategy"):
+        module.setup("fit")
+    assert module.model is None
+
+
 def _build_and_shard(rank: int, port: int, seed_step: int, errors):
     import os
 

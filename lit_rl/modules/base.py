@@ -44,7 +44,7 @@ from lit_rl.lora import (
     is_adapter_key,
 )
 from lit_rl.losses import masked_cross_entropy_sum, shifted_token_logprobs, token_entropy
-from lit_rl.modules.model_loading import load_causal_lm, turn_off_dropout
+from lit_rl.modules.model_loading import DTYPES, load_causal_lm, turn_off_dropout
 from lit_rl.modules.step import TrainingStep, trained_tokens
 from lit_rl.optim import build_lr_scheduler, config_values_of, trainer_total_steps
 from lit_rl.sampling_process import RAW, SamplingProcess
@@ -99,7 +99,8 @@ class CausalLMModule(TrainingStep, L.LightningModule):
                 memory is ``head_chunk_size x vocabulary`` floats (1024 x 151,936 x 4 bytes =
                 0.6 GB for Qwen3), whatever the number of trained tokens.
             sharding: FSDP2 options (mixed precision, CPU offload), used when ``trainer.strategy`` is
-                Lightning's ``ModelParallelStrategy`` (configs/strategies/fsdp2.yaml; lit_rl/sharding.py).
+                Lightning's ``ModelParallelStrategy`` (configs/strategies/fsdp2.yaml; lit_rl/sharding.py); a
+                value other than the defaults is refused under any other strategy, which would ignore it.
             lora: train a LoRA adapter (`lit_rl.lora.LoRAOptions`: rank, alpha, dropout, target modules)
                 instead of every weight: the base is frozen, only the adapter is in the optimizer, and RL
                 weight syncs send only the adapter to vLLM (docs/lora.md). None: full fine-tuning.
@@ -112,6 +113,8 @@ class CausalLMModule(TrainingStep, L.LightningModule):
         """
         if head_chunk_size < 1:
             raise ValueError(f"model.head_chunk_size must be >= 1, got {head_chunk_size}")
+        if dtype not in DTYPES:  # checked here: loading it is after the data's set-up, a traceback there
+            raise ValueError(f"model.init_args.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:  # 0 would zero every step, a negative one ascend
             raise ValueError(f"model.max_grad_norm must be > 0, or null to disable clipping (HF Trainer's 0), "
                              f"got {max_grad_norm}")
@@ -175,6 +178,32 @@ class CausalLMModule(TrainingStep, L.LightningModule):
             # In place: parameter names, exports and checkpoints unchanged.
             self.model.base_model.compile(dynamic=True)
             self._compiled = True
+
+    def setup(self, stage: str) -> None:
+        """Options that cannot work with the run's data or strategy, refused before the model loads.
+        A loss on the policy's own samples (GRPO, OPD) refuses dataset rows (a StaticDataModule): they
+        carry no sampling logprobs, and the first step failed on that. FSDP2's `sharding` options
+        refuse any other strategy, which ignored them."""
+        from lit_rl.data.datamodules import StaticDataModule
+
+        data = getattr(self.trainer, "datamodule", None)
+        if self.loss_kind not in (None, "cross_entropy") and isinstance(data, StaticDataModule):
+            raise ConfigError(
+                f"{type(self).__name__} trains on the policy's own samples, with the logprobs they were sampled with, "
+                "and data is a StaticDataModule of dataset rows, which have none: sample them with data.class_path "
+                "lit_rl.data.rollout_datamodule.RolloutDataModule, or train these rows with lit_rl.modules.SFT")
+        # the FSDP2 options, checked before the model loads (`configure_model` applies them)
+        fsdp2, default = self._fsdp2_strategy(), vars(FSDP2Options())
+        changed = sorted(k for k, v in vars(self.sharding).items() if v != default[k])
+        if changed and not fsdp2:
+            raise ConfigError(
+                f"model.init_args.sharding ({', '.join(f'{k} {getattr(self.sharding, k)!r}' for k in changed)}) applies "
+                f"under FSDP2 only (configs/strategies/fsdp2.yaml), and this run's trainer.strategy "
+                f"{type(self.trainer.strategy).__name__} would ignore it: train with fsdp2.yaml, or leave sharding out "
+                "(mixed precision elsewhere: trainer.precision)")
+        if self.torch_compile and fsdp2:
+            raise ConfigError("model.init_args.torch_compile is not supported with ModelParallelStrategy (FSDP2) yet; "
+                              "set it to false")
 
     def before_sharding(self) -> None:
         """Called by `configure_model` with the whole model, before FSDP2 shards it (and before a

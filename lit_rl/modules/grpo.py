@@ -32,10 +32,12 @@ step's samples as one batch, however they are split and packed.
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
 from lit_rl.data.held_batch import old_logprobs
+from lit_rl.errors import ConfigError
 from lit_rl.losses import POLICY_METRICS, check_policy_loss_options, policy_loss_normaliser, policy_loss_sums
 from lit_rl.lora import adapter_disabled, has_adapter
 from lit_rl.modules.base import CausalLMModule
@@ -72,11 +74,13 @@ class GRPO(CausalLMModule):
             is_correction: behaviour-policy weight w = exp(trainer - sampler logprob) per token:
                 ``token_truncate`` min(w, is_cap), ``token_mask`` w if w <= is_cap else 0, ``none`` 1.
             is_cap: the cap of w.
-            max_completion_length: the constant of ``dr_grpo`` (the rollouts' max_tokens).
+            max_completion_length: the constant of ``dr_grpo`` (at least the rollouts' max_tokens); refused
+                with another loss_type (TRL's generation limit of that name is ``data.max_tokens`` here).
             kl_coef: weight of a per-token KL penalty to a frozen reference model (k3
                 estimator, exp(ref - logp) - (ref - logp) - 1); 0 turns it off at no cost.
             reference_model: the reference's name or path; None: the policy's weights at the
-                start of training (before any checkpoint is restored).
+                start of training (before any checkpoint is restored). It must share the policy's vocabulary;
+                refused with kl_coef 0, which loads none.
             log_entropy: log the mean entropy of the distributions the completion tokens were
                 sampled from (an extra pass over each head chunk, no backward).
             updates_per_batch: optimizer steps on each rollout batch (each on the whole batch,
@@ -88,8 +92,15 @@ class GRPO(CausalLMModule):
         """
         super().__init__(*args, disable_dropout=disable_dropout, **kwargs)
         problems = check_policy_loss_options(loss_type, is_correction, clip_low, clip_high, is_cap, max_completion_length)
-        if kl_coef < 0:
-            problems.append(f"kl_coef must be >= 0, got {kl_coef}")
+        if not 0 <= kl_coef < math.inf:  # NaN (a YAML .nan) would turn the penalty off, inf make every loss NaN
+            problems.append(f"kl_coef must be a finite number >= 0, got {kl_coef}")
+        elif reference_model and not kl_coef:  # the reference serves the KL penalty only: nothing would load it
+            problems.append(f"reference_model {reference_model!r} is the reference of the KL penalty, which kl_coef 0 "
+                            "turns off (the reference is never loaded): set kl_coef > 0, or reference_model null")
+        if max_completion_length is not None and loss_type != "dr_grpo":  # TRL's name for the generation limit
+            problems.append(f"max_completion_length ({max_completion_length}) is dr_grpo's constant only, unused by "
+                            f"loss_type {loss_type!r}; completions are limited by data.init_args.max_tokens: "
+                            "set that, and max_completion_length null")
         if not isinstance(updates_per_batch, int) or isinstance(updates_per_batch, bool) or updates_per_batch < 1:
             problems.append(f"updates_per_batch must be an int >= 1, got {updates_per_batch!r}")
         if problems:
@@ -108,6 +119,12 @@ class GRPO(CausalLMModule):
         if self.reference_model:
             ref = load_causal_lm(self.reference_model, dtype=self.dtype_name, trust_remote_code=self.trust_remote_code,
                                  attn_implementation=self.attn_implementation)
+            # its logprobs are read at the policy's token ids: another vocabulary fails at the first step
+            # (an id past its head) or, larger, gives a KL between unrelated tokens; refused before any server
+            rows, ours = ref.get_output_embeddings().weight.shape[0], self.model.get_output_embeddings().weight.shape[0]
+            if rows != ours:
+                raise ConfigError(f"GRPO: model.init_args.reference_model {self.reference_model} has an output head of "
+                                  f"{rows} tokens, the policy {ours}: the KL reference must share the policy's vocabulary")
         else:
             ref = copy.deepcopy(self.model)  # before Lightning restores a checkpoint: the initial policy
         # object.__setattr__: nn.Module would register it as a submodule (trained, checkpointed, synced)

@@ -36,6 +36,8 @@ group-relative reward advantage is added to every token's distillation advantage
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lit_rl.chunked_head import selected_divergence_sum, selected_topk_divergence_sum
@@ -109,8 +111,8 @@ class OPD(CausalLMModule):
                     + check_advantage_options(advantage_baseline, advantage_clip))
         if not isinstance(teacher_top_k, int) or isinstance(teacher_top_k, bool) or teacher_top_k < 1:
             problems.append(f"teacher_top_k must be an int >= 1, got {teacher_top_k!r}")
-        if reward_weight < 0:
-            problems.append(f"reward_weight must be >= 0, got {reward_weight}")
+        if not 0 <= reward_weight < math.inf:  # NaN (a YAML .nan) or inf would make every advantage NaN or inf
+            problems.append(f"reward_weight must be a finite number >= 0, got {reward_weight}")
         if reward_weight and divergence != "sampled_reverse_kl":
             problems.append(f"reward_weight mixes a reward into the sampled-token advantage; divergence {divergence!r} "
                             "has none (use divergence 'sampled_reverse_kl' or reward_weight 0)")
@@ -149,6 +151,7 @@ class OPD(CausalLMModule):
         return [] if self.teacher is None else [self.teacher]
 
     def setup(self, stage: str) -> None:
+        super().setup(stage)
         if stage != "fit":
             return
         data = getattr(self.trainer, "datamodule", None)
