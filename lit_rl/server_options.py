@@ -66,11 +66,11 @@ def server_option_problems(options: dict, where: str, also: Iterable[str] = ()) 
     name `VLLMServer` takes no parameter for (with the closest one it takes), one lit-rl sets
     itself, or `extra_args` as one string or naming a flag `VLLMServer` passes vLLM itself. `also`:
     names the caller accepts besides (the evaluator's `num_infer_gpus`)."""
-    from lit_rl.inference.server import VLLMServer, extra_args_problem
+    from lit_rl.inference.server import VLLMServer, extra_args_problem, server_value_problems
 
     parameters = inspect.signature(VLLMServer.__init__).parameters
     accepted = [name for name in parameters if name not in ("self", *SET_BY_LIT_RL)] + list(also)
-    problems = []
+    problems, typed = [], {}
     for name, value in options.items():
         if name in SET_BY_LIT_RL:
             problems.append(f"{name} is not a server option here: lit-rl sets it (the model, the api_key and the "
@@ -81,6 +81,9 @@ def server_option_problems(options: dict, where: str, also: Iterable[str] = ()) 
                             f"the options are {', '.join(accepted)}")
         elif (types := _scalar_types(name)) and value is not None and not _is_a(value, types):
             problems.append(f"{name} must be {' or '.join(t.__name__ for t in types)}, got {value!r}")
+        else:
+            typed[name] = value
+    problems += server_value_problems(typed)  # those vLLM would refuse once started
     if problem := extra_args_problem(options.get("extra_args", ()), options.get("dev_mode", True)):
         problems.append(problem)
     return [where + problem for problem in problems]

@@ -358,6 +358,9 @@ def test_a_misspelt_server_option_is_named_before_any_server_starts(tmp_path, ca
                      capsys)
     assert "inference.server.tensor_parallel_sizes is not a server option (did you mean tensor_parallel_size?)" in err, err
     assert "inference.server.api_key is not a server option here: lit-rl sets it" in err, err
+    err = user_error([*grpo, "--inference.server", '{"dtype": "fp32", "max_model_len": 0}'], capsys)  # vLLM's own
+    assert "inference.server.dtype must be one of auto, bfloat16" in err and "inference.server.max_model_len must be >= 1" \
+        in err, err  # refusal came after its start-up; 0 served the model's whole length
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
 
     with pytest.raises(ValueError, match=r"OnlineEval: server.enforce_eagr is not a server option \(did you mean enforce_eager\?\)"):
@@ -479,6 +482,12 @@ def test_serve_names_the_flag_of_a_value_the_server_refuses(capsys):
     for given, said in ((["--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1, got 0"),
                         (["--gpu-memory-utilization", "2"], "--gpu-memory-utilization must be in (0, 1], got 2.0"),
                         (["--port", "70000"], "--port must be in 1-65535"),
+                        # these three were vLLM's refusal after its start-up, or (max-model-len 0) the model's length
+                        (["--dtype", "bf16"], "--dtype must be one of auto, bfloat16, float16, float32, half, float, "
+                                              "got 'bf16'"),
+                        (["--max-model-len", "0"], "--max-model-len must be >= 1 (None: the checkpoint's own), got 0"),
+                        (["--generation-config", "nope"], "--generation-config must be vllm, auto or a directory"),
+                        (["--startup-timeout", "-5"], "--startup-timeout must be > 0 seconds, got -5.0"),
                         (["--", "--host", "0.0.0.0"], ("the options passed on to vLLM must not set --host: lit-rl "
                                                        "passes it to vLLM itself, and the last one given wins, "
                                                        "unchecked; use the --host option instead"))):

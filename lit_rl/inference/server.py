@@ -233,6 +233,42 @@ def _install_hooks() -> None:
     signal.signal(signal.SIGTERM, on_sigterm)
 
 
+DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")  # vLLM's --dtype choices
+GENERATION_CONFIGS = ("vllm", "auto")  # or a directory holding a generation_config.json
+
+
+def server_value_problems(options: dict) -> list[str]:
+    """What is wrong with the values among `options` (VLLMServer's parameters, by name) that vLLM
+    would refuse only once it has started (its argparse error or a hub lookup of a generation
+    config that is no directory), or that would go wrong without a word: max_model_len 0 served the
+    model's own length, a startup_timeout <= 0 gave up on the server it had just started. Checked
+    by VLLMServer and, before any server starts, with a config's server options
+    (`server_option_problems`)."""
+    problems = []
+    for name in ("tensor_parallel_size", "data_parallel_size"):
+        if name in options and options[name] < 1:
+            problems.append(f"{name} must be >= 1, got {options[name]}")
+    if options.get("max_model_len") is not None and options["max_model_len"] < 1:
+        problems.append(f"max_model_len must be >= 1 (None: the checkpoint's own), got {options['max_model_len']}")
+    port = options.get("port")
+    if port is not None and not (isinstance(port, int) and 0 <= port <= 65535):
+        problems.append(f"port must be in 1-65535 (None or 0: a free one), got {port!r}")
+    if "dtype" in options and options["dtype"] not in DTYPES:
+        problems.append(f"dtype must be one of {', '.join(DTYPES)}, got {options['dtype']!r}")
+    generation_config = options.get("generation_config")
+    if generation_config is not None and generation_config not in GENERATION_CONFIGS and not os.path.isdir(
+            os.path.expanduser(str(generation_config))):
+        problems.append(f"generation_config must be vllm, auto or a directory with a generation_config.json, got "
+                        f"{generation_config!r}")
+    if options.get("gpu_memory_utilization") is not None and not 0 < options["gpu_memory_utilization"] <= 1:
+        problems.append(f"gpu_memory_utilization must be in (0, 1], got {options['gpu_memory_utilization']}")
+    for name, least in (("startup_timeout", "> 0"), ("stop_timeout", ">= 0"), ("spin_wait_s", ">= 0")):
+        value = options.get(name)
+        if value is not None and not (value > 0 if least == "> 0" else value >= 0):
+            problems.append(f"{name} must be {least} seconds, got {value}")
+    return problems
+
+
 class VLLMServer:
     STOP_TIMEOUT = 20.0  # default seconds between SIGTERM and SIGKILL of the process group
 
@@ -294,21 +330,18 @@ class VLLMServer:
                 its step, writes its checkpoint and only then stops them (`lit_rl.stopping`);
                 at interpreter exit and on SIGKILL of this process they are stopped regardless.
         """
-        sizes = {"tensor_parallel_size": tensor_parallel_size, "data_parallel_size": data_parallel_size}
-        problems = [f"{name} must be >= 1, got {value}" for name, value in sizes.items() if value < 1]
-        if port is not None and not (isinstance(port, int) and 0 <= port <= 65535):
-            problems.append(f"port must be in 1-65535 (None or 0: a free one), got {port!r}")
+        problems = server_value_problems(dict(
+            port=port, max_model_len=max_model_len, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+            generation_config=generation_config, startup_timeout=startup_timeout, stop_timeout=stop_timeout,
+            spin_wait_s=spin_wait_s))
         if devices is not None and len(devices) != tensor_parallel_size * data_parallel_size:
             problems.append(
                 f"devices has {len(devices)} GPU(s) but tensor_parallel_size * data_parallel_size = "
                 f"{tensor_parallel_size * data_parallel_size}; use lit_rl.inference.gpus.plan_gpus"
             )
-        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
-            problems.append(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         if problem := extra_args_problem(extra_args, dev_mode):
             problems.append(problem)
-        if spin_wait_s is not None and spin_wait_s < 0:
-            problems.append(f"spin_wait_s must be >= 0, got {spin_wait_s}")
         if problems:
             raise ValueError("VLLMServer: " + "; ".join(problems))
         local = Path(resolve_model_name(model)).expanduser()  # a built-in name (lit-rl:tiny_qwen3) is a directory
