@@ -113,7 +113,7 @@ def test_rows_become_tasks_from_strings_or_messages_with_system_prompt_filter_an
     tasks = env.tasks()
     assert [t["id"] for t in tasks] == ["0", "2"]  # ids are the dataset's row numbers
     assert tasks[0]["prompt"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    assert env.tools(tasks[0]) == [tool] and env.tools(tasks[1]) == []
+    assert env.tools(tasks[0]) == [tool] and env.tools(tasks[1]) is None  # "[]": no tools
     # chat messages (a parquet file), a system turn of their own kept, and the first N rows
     chats = [{"prompt": [{"role": "system", "content": "Own."}, {"role": "user", "content": f"q{i}"}], "answer": str(i)}
              for i in range(3)]
@@ -139,6 +139,16 @@ def test_bad_input_is_one_error_naming_the_column_row_or_function(tmp_path):
     with pytest.raises(ValueError, match="row 1 of .*column 'question': expected a string or chat messages"):
         DatasetEnv(write_jsonl(tmp_path / "b.jsonl", [{"question": "fine"}, {"question": ""}, {"question": "x"}]),
                    [{"function": "lit_rl.rewards.regex_match", "kwargs": {"pattern": "x"}}], prompt_column="question").tasks()
+    # a row's tools are read when the rows are, not by the first rollout or eval of that row
+    tool_rows = [{"question": q, "answer": "1", "tools": t} for q, t in [("a", "[]"), ("b", ""), ("c", "{not json")]]
+    env = DatasetEnv(write_jsonl(tmp_path / "t.jsonl", tool_rows), ["lit_rl.rewards.exact_match"],
+                     prompt_column="question", tools_column="tools")
+    assert "row 2 of " in (env.tasks_problem() or "")
+    with pytest.raises(ValueError, match="row 2 of .*column 'tools': tools is a string but not valid JSON"):
+        env.tasks()
+    with pytest.raises(ValueError, match="row 0 of .*column 'tools': tool 0"):
+        DatasetEnv(write_jsonl(tmp_path / "u.jsonl", [{"question": "a", "answer": "1", "tools": json.dumps([{"type": "function"}])}]),
+                   ["lit_rl.rewards.exact_match"], prompt_column="question", tools_column="tools").tasks()
     with pytest.raises(ValueError, match=r"rewards\[0\]: cannot import module 'no_such_module'"):
         env_of(tmp_path, rewards=["no_such_module.fn"]).tasks()
     with pytest.raises(ValueError, match=r"rewards\[1\]: no_completions_argument takes \(prompt, answer\)"):

@@ -40,6 +40,11 @@ def test_async_reward_and_bad_settings():
     assert asyncio.run(env.score("y", env.tasks()[0])) == 0.25
     with pytest.raises(ValueError, match="same completion"):
         Async(samples_per_prompt=4)
+    # eval sampling settings vLLM would refuse only at the first eval (0 tokens was the default, 256)
+    with pytest.raises(ValueError, match=r"Async: max_tokens must be >= 1, got 0; top_p must be in \(0, 1\], got 0"):
+        Async(max_tokens=0, top_p=0)
+    with pytest.raises(ValueError, match="temperature must be >= 0, got -1"):
+        Async(temperature=-1)
 
 
 def test_pass_at_k_by_hand():
@@ -102,3 +107,56 @@ def test_the_rollout_snippet_in_docs_rl_renders_as_the_example_does():
                   if "Transcript.from_messages" in b]
     example = (REPO / "examples/tool_use/env.py").read_text()
     assert opening_keywords(snippet) == opening_keywords(example) == {"tools", "chat_template_kwargs"}
+
+
+def test_a_reward_that_is_not_a_finite_number_names_the_env_and_task_in_evals_and_rollouts():
+    """A subclass's reward() returning NaN, None or a short score_group list is an error naming
+    the environment and the task: torchmetrics' mean would drop a NaN from the eval's reward
+    without a word (an eval of rewards 1, NaN, 1 reported 1.0), and a None failed in float()."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from helpers import TINY_MODEL
+    from transformers import AutoTokenizer
+
+    from lit_rl.inference.client import Completion
+    from lit_rl.rollouts import RolloutContext, TrainSampling
+    from lit_rl.rollouts.envs import EvalRun
+    from lit_rl.rollouts.reward_functions import RewardFunctionError
+
+    class Scored(Environment):
+        def __init__(self, value, **kwargs):
+            super().__init__(**kwargs)
+            self.value = value
+
+        def load_tasks(self):
+            return [{"id": str(i), "prompt": [{"role": "user", "content": f"q{i}"}]} for i in range(3)]
+
+        def reward(self, completion, task):
+            return self.value if task["id"] == "1" else 1.0
+
+    class Client:
+        async def chat(self, messages, n=1, **kwargs):
+            return [SimpleNamespace(text="a", completion_ids=[1]) for _ in range(n)]
+
+        async def generate(self, prompt_ids, *, n=1, **kwargs):
+            return [Completion(prompt_ids=list(prompt_ids), completion_ids=[1], logprobs=[-0.5],
+                               finish_reason="stop", text="a") for _ in range(n)]
+
+    run = EvalRun(step=0, step_dir=Path("."), client=Client())
+    for value, shown in [(float("nan"), "nan"), (None, "None"), ("1", "'1'")]:
+        with pytest.raises(RewardFunctionError, match=f"environment 'my_env': reward\\(\\) on task 1: the reward is {shown};"):
+            asyncio.run(Scored(value, name="my_env").evaluate(run))
+    assert asyncio.run(Scored(0.0).evaluate(run)) == {"reward": pytest.approx(2 / 3)}  # numbers still pass
+
+    class Short(Scored):
+        async def score_group(self, completions, task, completion_ids=None):
+            return [1.0] * (len(completions) - 1), {}
+
+    ctx = RolloutContext(client=Client(), tokenizer=AutoTokenizer.from_pretrained(TINY_MODEL),
+                         sampling=TrainSampling(max_tokens=4), group_size=4, policy_version=0)
+    env = Short(0.0, name="short")
+    with pytest.raises(RewardFunctionError, match="environment 'short': score_group on task 0: returned 3 rewards for 4"):
+        asyncio.run(env.rollout(env.tasks()[0], ctx))
+    with pytest.raises(RewardFunctionError, match="returned 1 rewards for 2 completions"):
+        asyncio.run(Short(0.0, samples_per_prompt=2, temperature=1.0).evaluate(run))

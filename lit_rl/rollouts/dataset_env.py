@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import json
 from typing import Any
 
 from lit_rl.data.sources import open_split
+from lit_rl.data.tools import normalize_tools
 from lit_rl.data.samples import SampleGroup
 from lit_rl.rollouts.context import RolloutContext
 from lit_rl.rollouts.envs import Environment, EvalRun
@@ -122,7 +122,10 @@ class DatasetEnv(Environment):
         for i, row in enumerate(rows):
             if row_filter is not None and not row_filter(row):
                 continue
-            tasks.append({"id": str(i), "prompt": self._messages(i, row[self.prompt_column]), "row": row})
+            task = {"id": str(i), "prompt": self._messages(i, row[self.prompt_column]), "row": row}
+            if self.tools_column:
+                task["tools"] = self._tools(i, row[self.tools_column])
+            tasks.append(task)
         if not tasks:
             raise ValueError(f"DatasetEnv: no row of {self.path} passes the filter {self.filter!r}")
         return tasks
@@ -139,11 +142,16 @@ class DatasetEnv(Environment):
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
         return messages
 
+    def _tools(self, i: int, value) -> list[dict] | None:
+        """A row's tool definitions, read (and checked) as rollouts render them: None, "" or []
+        is no tools; bad JSON or a malformed tool names the row and column now, not mid-run."""
+        try:
+            return normalize_tools(value)
+        except ValueError as e:
+            raise ValueError(f"DatasetEnv: row {i} of {self.path}, column {self.tools_column!r}: {e}") from None
+
     def tools(self, task: dict) -> list[dict] | None:
-        if not self.tools_column:
-            return None
-        value = task["row"][self.tools_column]
-        return json.loads(value) if isinstance(value, str) else value
+        return task.get("tools") if self.tools_column else None
 
     async def score_group(self, completions: list[str], task: dict, completion_ids: list[list[int]] | None = None
                           ) -> tuple[list[float], dict[str, list[float | None]]]:

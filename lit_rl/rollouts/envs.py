@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
+import numbers
 import random
 import re
 from collections.abc import Sequence
@@ -21,7 +23,8 @@ from typing import Any
 from lit_rl.data.samples import SampleGroup
 from lit_rl.data.sources import open_split
 from lit_rl.inference.client import chat_prompt_ids
-from lit_rl.rollouts.context import RolloutContext
+from lit_rl.rollouts.context import RolloutContext, sampling_problems
+from lit_rl.rollouts.reward_functions import RewardFunctionError
 from lit_rl.rollouts.turns import completion_sample, completion_text
 
 
@@ -95,7 +98,9 @@ class Environment:
             max_tokens: completion length limit; defaults to the class's ``default_max_tokens``.
             temperature, top_p, seed: sampling settings for every request.
         """
-        max_tokens = max_tokens or self.default_max_tokens
+        max_tokens = self.default_max_tokens if max_tokens is None else max_tokens
+        if problems := sampling_problems(max_tokens, temperature, top_p, None):  # vLLM refuses them only at the first eval
+            raise ValueError(f"{type(self).__name__}: " + "; ".join(problems))
         if samples_per_prompt < 1:
             raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
         if samples_per_prompt > 1 and temperature == 0.0:
@@ -152,7 +157,7 @@ class Environment:
         value = self.reward(completion, task)
         if inspect.isawaitable(value):
             value = await value
-        return float(value)
+        return _finite(value, f"environment {self.name!r}: reward() on task {self.task_id(task)}")
 
     async def score_group(self, completions: list[str], task: dict, completion_ids: list[list[int]] | None = None
                           ) -> tuple[list[float], dict[str, list[float | None]]]:
@@ -173,6 +178,7 @@ class Environment:
         outs = await ctx.client.generate(prompt_ids, n=ctx.group_size, **ctx.sampling.request_kwargs())
         texts = [completion_text(ctx.tokenizer, c) for c in outs]
         rewards, parts = await self.score_group(texts, task, [c.completion_ids for c in outs])
+        rewards = self.checked_rewards(rewards, len(texts), task)
         task_id = self.task_id(task)
         samples = [
             completion_sample(prompt_ids, c, reward=r,
@@ -180,6 +186,19 @@ class Environment:
             for i, (c, text, r) in enumerate(zip(outs, texts, rewards))
         ]
         return SampleGroup(samples=samples, task_id=task_id)
+
+    def checked_rewards(self, rewards, n: int, task: dict) -> list[float]:
+        """`score_group`'s rewards for `n` completions, checked: one finite number each, else a
+        `RewardFunctionError` naming the environment and the task (a NaN would otherwise be
+        dropped from an eval's mean without a word, and a short list would drop completions)."""
+        where = f"environment {self.name!r}: score_group on task {self.task_id(task)}"
+        if hasattr(rewards, "tolist") and not isinstance(rewards, Sequence):  # a numpy or torch array
+            rewards = rewards.tolist()
+        if not isinstance(rewards, Sequence) or isinstance(rewards, (str, bytes)):
+            raise RewardFunctionError(f"{where}: returned {type(rewards).__name__}; expected {n} rewards")
+        if len(rewards) != n:
+            raise RewardFunctionError(f"{where}: returned {len(rewards)} rewards for {n} completions")
+        return [_finite(r, f"{where}, completion {i}") for i, r in enumerate(rewards)]
 
     async def evaluate(self, run: EvalRun) -> dict[str, float]:
         """Sample every task from the served checkpoint, score, and return the metrics
@@ -193,13 +212,24 @@ class Environment:
                 max_tokens=s.max_tokens, n=self.samples_per_prompt, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
             )
             texts = [o.text for o in outs]
-            return texts, *(await self.score_group(texts, task, [o.completion_ids for o in outs]))
+            rewards, parts = await self.score_group(texts, task, [o.completion_ids for o in outs])
+            return texts, self.checked_rewards(rewards, len(texts), task), parts
 
         results = await asyncio.gather(*(one(t) for t in tasks))
         for task, (texts, rewards, parts) in zip(tasks, results):
             for i, (text, reward) in enumerate(zip(texts, rewards)):
                 run.traces.append({"prompt": self.prompt(task), "completion": text, "reward": reward, **parts_of(parts, i)})
         return eval_metrics([(rewards, parts) for _, rewards, parts in results], self.samples_per_prompt)
+
+
+def _finite(value: Any, where: str) -> float:
+    """`value` as a float when it is a finite real number (a 0-d array or tensor too), else a
+    `RewardFunctionError` saying `where`."""
+    if hasattr(value, "item") and not isinstance(value, numbers.Real):
+        value = value.item()
+    if isinstance(value, numbers.Real) and math.isfinite(value):
+        return float(value)
+    raise RewardFunctionError(f"{where}: the reward is {value!r:.80}; expected a finite number")
 
 
 def eval_metrics(scored: list[tuple[list[float], dict[str, list[float | None]]]], samples_per_prompt: int) -> dict[str, float]:
