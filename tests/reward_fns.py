@@ -111,3 +111,8 @@ async def slow_judge(completion, task):
     await asyncio.sleep(0.05)
     JUDGE["in_flight"] -= 1
     return float(len(completion))
+
+
+def completion_without_task(completion):
+    """lit-rl's per-sample form without its `task` parameter, which every call passes."""
+    return 1.0

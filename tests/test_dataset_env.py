@@ -153,6 +153,9 @@ def test_bad_input_is_one_error_naming_the_column_row_or_function(tmp_path):
         env_of(tmp_path, rewards=["no_such_module.fn"]).tasks()
     with pytest.raises(ValueError, match=r"rewards\[1\]: no_completions_argument takes \(prompt, answer\)"):
         env_of(tmp_path, rewards=["lit_rl.rewards.exact_match", "reward_fns.no_completions_argument"]).tasks()
+    with pytest.raises(ValueError, match=r"rewards\[0\]: completion_without_task takes \(completion\); lit-rl's "
+                                         r"per-sample form is called as fn\(completion=..., task=...\)"):
+        env_of(tmp_path, rewards=["reward_fns.completion_without_task"]).tasks()
     with pytest.raises(ValueError, match=r"two functions are named \['exact_match'\]"):
         env_of(tmp_path, rewards=["lit_rl.rewards.exact_match", {"function": "lit_rl.rewards.exact_match"}]).tasks()
     with pytest.raises(ValueError, match=r"regex_match needs kwargs: \{pattern: <a regular expression>\}"):

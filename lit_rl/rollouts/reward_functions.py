@@ -143,6 +143,11 @@ class RewardFunction:
             self.form = "trl"
         elif "completion" in params:
             self.form = "sample"
+            try:  # called so for every completion: a mismatch said now, not by every call once the servers are up
+                inspect.signature(self.fn).bind(completion=None, task=None)
+            except TypeError as e:
+                raise ValueError(f"{where}: {self.name} takes ({', '.join(params)}); lit-rl's per-sample form is "
+                                 f"called as fn(completion=..., task=...) ({e})") from None
         else:
             raise ValueError(f"{where}: {self.name} takes ({', '.join(params)}); a reward function takes "
                              "(prompts, completions, **columns) as TRL's do, or (completion, task)")
