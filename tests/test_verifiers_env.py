@@ -167,6 +167,23 @@ def test_a_reward_that_raises_rejects_its_task_under_the_buffers_rules_naming_it
     assert buffer.metrics()["rollout/rejected"] >= 1 and buffer.counters["retries"] >= 1
 
 
+def test_a_reward_that_is_not_a_number_is_named_in_rollouts_and_evals(vllm_server):
+    """A plugged reward gives NaN on task w1: a rollout of it and an eval are a RewardFunctionError
+    naming the env and the task (the buffer retries, then rejects, a rollout's); an eval's mean had
+    dropped the NaN without a word."""
+    from lit_rl.rollouts.reward_functions import RewardFunctionError
+
+    plugged = {"task": {"rewards": {"grader": {"fn": "vf_reverse.grader_nan_on_lit_rl", "weight": 0.25}}}}
+    env = VerifiersEnv("vf_reverse", taskset_args=plugged, max_tokens=4)
+    with pytest.raises(RewardFunctionError, match=r"environment 'verifiers': score_group on task w1, completion 0: "
+                                                  r"the reward is nan"):
+        play(vllm_server, env, env.tasks()[1], group_size=1, max_tokens=4)
+    group, _, _ = play(vllm_server, env, env.tasks()[0], group_size=1, max_tokens=4)
+    assert all(s.reward == s.reward for s in group.samples)  # another task's rewards are numbers
+    with pytest.raises(RewardFunctionError, match=r"task w1, completion 0: the reward is nan"):
+        play(vllm_server, env, env.tasks()[0], group_size=1, max_tokens=4, evaluate=True)
+
+
 def test_bad_input_is_one_error_naming_what_is_wrong(monkeypatch):
     import importlib.util
 

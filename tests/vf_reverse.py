@@ -35,6 +35,11 @@ async def grader_down_on_lit_rl(task, trace) -> float:
     return 1.0
 
 
+async def grader_nan_on_lit_rl(task, trace) -> float:
+    """A plugged reward that gives NaN on one task (a judge that failed to parse, say)."""
+    return float("nan") if task.text == "lit-rl" else 1.0
+
+
 class ReverseTaskset(vf.Taskset[ReverseTask, vf.TasksetConfig]):
     def load(self):
         for i, word in enumerate(WORDS):

@@ -139,8 +139,9 @@ class VerifiersEnv(Environment):
             self.episode(task, ctx.client, ctx.tokenizer, ctx.sampling.request_kwargs(), ctx.chat_template_kwargs)
             for _ in range(ctx.group_size)))
         task_id = self.task_id(task)
-        samples = [transcript.to_sample(reward=trace.reward, metadata=_metadata(task_id, trace))
-                   for transcript, trace in played]
+        rewards = self.checked_rewards([trace.reward for _, trace in played], len(played), task)
+        samples = [transcript.to_sample(reward=reward, metadata=_metadata(task_id, trace))
+                   for (transcript, trace), reward in zip(played, rewards)]
         return SampleGroup(samples=samples, task_id=task_id)
 
     async def evaluate(self, run: EvalRun) -> dict[str, float]:
@@ -157,7 +158,8 @@ class VerifiersEnv(Environment):
         for task, played in zip(tasks, results):
             traces = [trace for _, trace in played]
             parts = [_reward_parts(trace) for trace in traces]
-            scored.append(([trace.reward for trace in traces], {name: [p.get(name) for p in parts] for name in parts[0]}))
+            rewards = self.checked_rewards([trace.reward for trace in traces], len(traces), task)  # NaN: named, not dropped
+            scored.append((rewards, {name: [p.get(name) for p in parts] for name in parts[0]}))
             run.traces += [{"prompt": self.prompt(task), "completion": trace.last_reply, "reward": trace.reward,
                             "rewards": part} for trace, part in zip(traces, parts)]
         return eval_metrics(scored, self.samples_per_prompt)
