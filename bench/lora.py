@@ -84,8 +84,9 @@ def with_lora(model, rank: int):
 
 def stand_ins(root: Path, model):
     module = SimpleNamespace(model=model, tokenizer_name=TINY_MODEL, trust_remote_code=False)
-    trainer = SimpleNamespace(default_root_dir=str(root), world_size=1, is_global_zero=True,
-                              strategy=SimpleNamespace(barrier=lambda *a: None))
+    trainer = SimpleNamespace(default_root_dir=str(root), world_size=1, is_global_zero=True, ckpt_path=None,
+                              global_step=0,  # a fresh run, one process
+                              strategy=SimpleNamespace(barrier=lambda *a: None, broadcast=lambda obj, src=0: obj))
     return trainer, module
 
 

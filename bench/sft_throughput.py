@@ -724,6 +724,8 @@ def main(argv=None) -> dict:
                     )
                     result["attempts"] = attempt + 1
                     break
+                if result is not None and "disturbed" in result:
+                    result = None  # every try disturbed: this round has no number for it
                 runs[c].append(result)
         summary = summarize(args, runs, time.perf_counter() - start, rows_checked)
     finally:
