@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
-import numbers
 import random
 import re
 from collections.abc import Sequence
@@ -24,7 +22,7 @@ from lit_rl.data.samples import SampleGroup
 from lit_rl.data.sources import open_split
 from lit_rl.inference.client import chat_prompt_ids
 from lit_rl.rollouts.context import RolloutContext, sampling_problems
-from lit_rl.rollouts.reward_functions import RewardFunctionError
+from lit_rl.rollouts.reward_functions import RewardFunctionError, is_finite_number, plain_number, value_list
 from lit_rl.rollouts.turns import completion_sample, completion_text
 
 
@@ -192,13 +190,11 @@ class Environment:
         `RewardFunctionError` naming the environment and the task (a NaN would otherwise be
         dropped from an eval's mean without a word, and a short list would drop completions)."""
         where = f"environment {self.name!r}: score_group on task {self.task_id(task)}"
-        if hasattr(rewards, "tolist") and not isinstance(rewards, Sequence):  # a numpy or torch array
-            rewards = rewards.tolist()
-        if not isinstance(rewards, Sequence) or isinstance(rewards, (str, bytes)):
+        if (listed := value_list(rewards)) is None:
             raise RewardFunctionError(f"{where}: returned {type(rewards).__name__}; expected {n} rewards")
-        if len(rewards) != n:
-            raise RewardFunctionError(f"{where}: returned {len(rewards)} rewards for {n} completions")
-        return [_finite(r, f"{where}, completion {i}") for i, r in enumerate(rewards)]
+        if len(listed) != n:
+            raise RewardFunctionError(f"{where}: returned {len(listed)} rewards for {n} completions")
+        return [_finite(r, f"{where}, completion {i}") for i, r in enumerate(listed)]
 
     async def evaluate(self, run: EvalRun) -> dict[str, float]:
         """Sample every task from the served checkpoint, score, and return the metrics
@@ -225,9 +221,8 @@ class Environment:
 def _finite(value: Any, where: str) -> float:
     """`value` as a float when it is a finite real number (a 0-d array or tensor too), else a
     `RewardFunctionError` saying `where`."""
-    if hasattr(value, "item") and not isinstance(value, numbers.Real):
-        value = value.item()
-    if isinstance(value, numbers.Real) and math.isfinite(value):
+    value = plain_number(value)
+    if is_finite_number(value):
         return float(value)
     raise RewardFunctionError(f"{where}: the reward is {value!r:.80}; expected a finite number")
 

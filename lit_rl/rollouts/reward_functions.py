@@ -69,9 +69,8 @@ class RewardLog:
     extra: dict[str, list] = field(default_factory=dict)
 
     def log_metric(self, name: str, value: float) -> None:
-        if hasattr(value, "item") and not isinstance(value, numbers.Real):
-            value = value.item()  # a 0-d array or tensor
-        if not isinstance(name, str) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        value = plain_number(value)
+        if not isinstance(name, str) or not is_finite_number(value):
             raise RewardFunctionError(f"log_metric({name!r}, {value!r}): expected a metric name and a finite number")
         self.metrics.setdefault(name, []).append(float(value))
 
@@ -187,23 +186,39 @@ class RewardFunction:
         return self.check(values, len(completions), row)
 
     def check(self, values: Any, n: int, row: Any) -> list[float | None]:
-        if hasattr(values, "tolist") and not isinstance(values, Sequence):  # numpy's or torch's array, as TRL takes
-            values = values.tolist()
-        if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
+        if (listed := value_list(values)) is None:
             raise RewardFunctionError(f"reward function {self.name!r} on row {row}: returned {type(values).__name__}; "
                                       f"expected a list of {n} numbers (one per completion)")
-        if len(values) != n:
-            raise RewardFunctionError(f"reward function {self.name!r} on row {row}: returned {len(values)} values "
+        if len(listed) != n:
+            raise RewardFunctionError(f"reward function {self.name!r} on row {row}: returned {len(listed)} values "
                                       f"for {n} completions")
         out: list[float | None] = []
-        for i, v in enumerate(values):
-            if hasattr(v, "item") and not isinstance(v, numbers.Real):  # a 0-d array or tensor in a list
-                v = v.item()
-            if v is not None and (not isinstance(v, numbers.Real) or not math.isfinite(v)):
+        for i, v in enumerate(listed):
+            v = plain_number(v)
+            if v is not None and not is_finite_number(v):
                 raise RewardFunctionError(f"reward function {self.name!r} on row {row}: value {i} is {v!r}; "
                                           "expected a finite number or None")
             out.append(None if v is None else float(v))
         return out
+
+
+def plain_number(value: Any) -> Any:
+    """A 0-d array or tensor as the Python number it holds; anything else as it is."""
+    return value.item() if hasattr(value, "item") and not isinstance(value, numbers.Real) else value
+
+
+def is_finite_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and math.isfinite(value)
+
+
+def value_list(values: Any) -> list | None:
+    """Rewards returned for a group, as a list (an array too: numpy's or torch's, as TRL takes them);
+    None when they are not a sequence (a number, a string, a dict)."""
+    if hasattr(values, "tolist") and not isinstance(values, Sequence):
+        values = values.tolist()
+    if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
+        return None
+    return list(values)
 
 
 def weighted_sum(parts: dict[str, list[float | None]], weights: dict[str, float], row: Any) -> list[float]:
