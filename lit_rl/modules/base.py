@@ -166,9 +166,7 @@ class CausalLMModule(TrainingStep, L.LightningModule):
         if self.lora is not None and not has_adapter(self.model):
             self.model = add_adapter(self.model, self.lora)
         self.before_sharding()
-        if self._fsdp2_strategy() and not is_sharded(self.model):
-            if self.torch_compile:
-                raise ValueError("model.torch_compile is not supported with ModelParallelStrategy (FSDP2) yet; set it to false")
+        if self._fsdp2_strategy() and not is_sharded(self.model):  # torch_compile: refused in `setup`
             apply_fsdp2(self.model, self.device_mesh, self.sharding)
         for frozen in self.frozen_models():  # sharded like the policy they run beside
             if self._fsdp2_strategy() and not is_sharded(frozen):
