@@ -117,10 +117,22 @@ def evaluator_server_problems(options: dict, envs: Iterable, where: str) -> list
     return problems + [p for p in room if p]
 
 
+def names_flag(extra_args: Sequence[str] | str | None, flags: Sequence[str]) -> bool:
+    """Whether vLLM arguments `extra_args` give one of `flags` (`--flag value` or `--flag=value`);
+    False for a string, which is refused by name (`server_option_problems`)."""
+    return not isinstance(extra_args, str) and any(str(a).split("=")[0] in flags for a in extra_args or ())
+
+
+def loads_weights(extra_args: Sequence[str] | str | None) -> bool:
+    """Whether the server reads the model's weight files: not with a `--load-format` of the user's
+    (`dummy`, say), which lets a directory without weights be served."""
+    return not names_flag(extra_args, ("--load-format",))
+
+
 def with_server_args(options: dict, args: Sequence[str], *, unless: Sequence[str] = ()) -> dict:
     """`options` with `args` appended to their `extra_args`, unless those already name one of the
     flags `unless` (`--flag value` or `--flag=value`) or are a string."""
     extra = options.get("extra_args", ())
-    if isinstance(extra, str) or any(a.split("=")[0] in unless for a in extra):
+    if isinstance(extra, str) or names_flag(extra, unless):
         return options
     return {**options, "extra_args": [*extra, *args]}

@@ -91,6 +91,16 @@ def test_a_teacher_that_only_scores_is_served_without_a_tokenizer_and_one_that_s
     assert scoring_only(with_sampler_seed({"extra_args": "--max-num-seqs 8"}, 0)) == {"extra_args": "--max-num-seqs 8"}
 
 
+def test_a_teacher_without_weights_passes_with_a_load_format_of_the_users():
+    """vLLM's `--load-format dummy` serves a config without weight files (random weights)."""
+    from lit_rl.inference.runtime import InferenceRuntime
+
+    with pytest.raises(ValueError, match="has no weights"):
+        InferenceRuntime(teacher_model=TINY_MODEL)
+    for extra_args in (["--load-format", "dummy"], ["--load-format=dummy"]):
+        assert InferenceRuntime(teacher_model=TINY_MODEL, teacher_server={"extra_args": extra_args}).teacher_model
+
+
 def opd_args(root, data, model, steps, *extra):
     return ["fit", "--config", CONFIG, "--model.init_args.model", model,
             "--data.init_args.env.init_args.path", data,

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 from lit_rl.errors import UserError
 from lit_rl.model_names import local_model_problem
+from lit_rl.server_options import loads_weights
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         server = vllm_server(args, extra)
     except ValueError as e:  # a value it refuses, said with the flag that gave it
         problems.append(flag_names(str(e).removeprefix("VLLMServer: "), vars(args)))
-    if problem := local_model_problem(args.model, weights=not any(a.startswith("--load-format") for a in extra)):
+    if problem := local_model_problem(args.model, weights=loads_weights(extra)):
         problems.append(f"--model {args.model}{problem}")
     if problems:  # every one at once, before anything starts
         raise UserError("; ".join(problems))

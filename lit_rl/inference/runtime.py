@@ -68,7 +68,7 @@ from lit_rl.lora import lora_server_options
 from lit_rl.model_names import local_model_problem
 from lit_rl.run_dir import base_dir, lease
 from lit_rl.run_seed import run_seed, with_sampler_seed
-from lit_rl.server_options import server_option_problems, typed_server_options, with_server_args
+from lit_rl.server_options import loads_weights, server_option_problems, typed_server_options, with_server_args
 
 ROLES = ("policy", "teacher")
 ADAPTER_NAME = "lit-rl-policy"  # the policy's LoRA adapter, as rollouts ask for it from the server
@@ -213,8 +213,8 @@ class InferenceRuntime(L.Callback):
                             f"{self.health_check_interval!r}")
         for name, options in (("server", self.server), ("teacher_server", self.teacher_server)):
             problems += server_option_problems(options, where=f"inference.{name}.")
-        loads_weights = not any(str(a).startswith("--load-format") for a in (self.teacher_server or {}).get("extra_args") or ())
-        if self.teacher_model and (problem := local_model_problem(self.teacher_model, weights=loads_weights)):
+        weights = loads_weights(self.teacher_server.get("extra_args"))
+        if self.teacher_model and (problem := local_model_problem(self.teacher_model, weights=weights)):
             problems.append(f"inference.teacher_model {self.teacher_model}{problem}")
         if self.teacher_server and not self.teacher_model:
             problems.append("inference.teacher_server options need inference.teacher_model (the model to start a "
