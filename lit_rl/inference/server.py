@@ -262,10 +262,11 @@ def server_value_problems(options: dict) -> list[str]:
                         f"{generation_config!r}")
     if options.get("gpu_memory_utilization") is not None and not 0 < options["gpu_memory_utilization"] <= 1:
         problems.append(f"gpu_memory_utilization must be in (0, 1], got {options['gpu_memory_utilization']}")
-    for name, least in (("startup_timeout", "> 0"), ("stop_timeout", ">= 0"), ("spin_wait_s", ">= 0")):
-        value = options.get(name)
-        if value is not None and not (value > 0 if least == "> 0" else value >= 0):
-            problems.append(f"{name} must be {least} seconds, got {value}")
+    if options.get("startup_timeout") is not None and not options["startup_timeout"] > 0:
+        problems.append(f"startup_timeout must be > 0 seconds, got {options['startup_timeout']}")
+    for name in ("stop_timeout", "spin_wait_s"):
+        if options.get(name) is not None and not options[name] >= 0:
+            problems.append(f"{name} must be >= 0 seconds, got {options[name]}")
     return problems
 
 
