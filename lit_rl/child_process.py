@@ -60,7 +60,7 @@ def stop_process_group(proc: subprocess.Popen, grace: float) -> bool:
     """SIGTERM the process group `proc` leads (started with ``start_new_session=True``), SIGKILL
     whatever is left after `grace` seconds, and reap `proc`. True if it stopped within the grace."""
     pgid = proc.pid
-    _signal_group(pgid, signal.SIGTERM)
+    signal_group(pgid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     graceful = False
     while time.monotonic() < deadline:
@@ -69,7 +69,7 @@ def stop_process_group(proc: subprocess.Popen, grace: float) -> bool:
             graceful = True
             break
         time.sleep(0.1)
-    _signal_group(pgid, signal.SIGKILL)
+    signal_group(pgid, signal.SIGKILL)
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
@@ -77,7 +77,7 @@ def stop_process_group(proc: subprocess.Popen, grace: float) -> bool:
     return graceful
 
 
-def _signal_group(pgid: int, sig: int) -> None:
+def signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):

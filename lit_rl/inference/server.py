@@ -23,7 +23,9 @@ is off: a training run stops its servers itself, after its checkpoint is written
 process dies without running any of that (SIGKILL): Linux's PR_SET_PDEATHSIG, set by a short
 launcher before it execs vLLM (`lit_rl.child_process`). The death signal follows the
 *thread* that started the server: start it from the main thread or a thread that lives as
-long as the server.
+long as the server. With `LIT_RL_VLLM_LAUNCHER` set, the server is forked instead by a process
+that has imported vLLM already (`lit_rl.inference.launcher`: a third of the start time, for a
+process tree that starts many servers, as the test suite does), set up the same way.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ from pathlib import Path
 
 from lit_rl.child_process import dies_with_parent, pid_alive, stop_process_group
 from lit_rl.inference.cpu_engine import ONE_PROCESS, worker_in_engine_env
-from lit_rl.inference.server_env import SPIN_ENV
+from lit_rl.inference.launched_server import LaunchedServer, LauncherError
+from lit_rl.inference.server_env import LAUNCHER_ENV, SPIN_ENV
 from lit_rl.model_names import resolve_model_name
 
 log = logging.getLogger(__name__)
@@ -358,15 +361,18 @@ class VLLMServer:
         self.allowed_root = allowed_root
         self.spin_wait_s = spin_wait_s
         self.stop_on_sigterm = stop_on_sigterm
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | LaunchedServer | None = None
         self._log_offset = 0  # where this start's lines begin in log_path (appended across starts)
         self._ipc_dir: str | None = None  # vLLM's unix sockets, removed at stop
         self.startup_seconds: float | None = None
 
     # ---- what is started --------------------------------------------------------------------------
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "lit_rl.inference.vllm_main", "--model", self.model,
-               "--host", self.host, "--port", str(self.port), "--dtype", self.dtype,
+        return [sys.executable, "-m", "lit_rl.inference.vllm_main", *self.server_args()]
+
+    def server_args(self) -> list[str]:
+        """vllm_main's (vLLM's API server's) arguments."""
+        cmd = ["--model", self.model, "--host", self.host, "--port", str(self.port), "--dtype", self.dtype,
                "--generation-config", self.generation_config]
         if self.max_model_len:
             cmd += ["--max-model-len", str(self.max_model_len)]
@@ -443,12 +449,13 @@ class VLLMServer:
             env["VLLM_RPC_BASE_PATH"] = self._ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-")
         t0 = time.monotonic()
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen(
-                dies_with_parent(self.command()),
-                stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True,
-            )
+        try:
+            self.proc = self._launch(env)
+        except BaseException as e:
+            self._remove_ipc_dir()
+            if isinstance(e, LauncherError):
+                raise ServerStartError(f"VLLMServer: {e}") from e
+            raise
         _live.add(self)
         log.info("VLLMServer: started pid %d for %s on %s (log: %s)", self.proc.pid, self.model, self.root_url, self.log_path)
         try:
@@ -459,6 +466,13 @@ class VLLMServer:
         self.startup_seconds = time.monotonic() - t0
         log.info("VLLMServer: healthy after %.1f s", self.startup_seconds)
         return self
+
+    def _launch(self, env: dict[str, str]) -> subprocess.Popen | LaunchedServer:
+        if os.environ.get(LAUNCHER_ENV):  # forked by a process that has imported vLLM (launcher.py)
+            return LaunchedServer(os.environ[LAUNCHER_ENV], self.server_args(), env, os.getcwd(), str(self.log_path))
+        with open(self.log_path, "ab") as logf:
+            return subprocess.Popen(dies_with_parent(self.command()), stdin=subprocess.DEVNULL, stdout=logf,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def wait_healthy(self, interrupt: Callable[[], bool] | None = None) -> None:
         deadline = time.monotonic() + self.startup_timeout
@@ -516,6 +530,9 @@ class VLLMServer:
                         self.stop_timeout)
         if proc is not None and self.log_path is not None:
             remove_rendezvous_file(self.log_path, self._log_offset)
+        self._remove_ipc_dir()
+
+    def _remove_ipc_dir(self) -> None:
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
             self._ipc_dir = None

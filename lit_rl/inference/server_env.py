@@ -8,3 +8,4 @@ SPIN_ENV = "LIT_RL_VLLM_SPIN_S"
 FORK_ENV = "LIT_RL_VLLM_FORK_ENGINE"
 START_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
 FORKED = "lit-rl: vLLM's engine core starts by fork (its executor is the single-process one)"
+LAUNCHER_ENV = "LIT_RL_VLLM_LAUNCHER"  # the socket of a vLLM launcher (launcher.py), when servers are forked by one

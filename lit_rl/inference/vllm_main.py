@@ -70,10 +70,15 @@ def set_spin_wait(seconds: float) -> bool:
     return True
 
 
-if __name__ in ("__main__", "__mp_main__") and os.environ.get(SPIN_ENV):  # the server and its children only
-    if not set_spin_wait(float(os.environ[SPIN_ENV])):
+def spin_wait_from_environment() -> None:
+    """`set_spin_wait` with `LIT_RL_VLLM_SPIN_S`'s value, when it is set."""
+    if os.environ.get(SPIN_ENV) and not set_spin_wait(float(os.environ[SPIN_ENV])):
         logging.getLogger(__name__).warning(
             "%s is set but this vLLM has no SpinCondition(busy_loop_s); its readers keep their own spin", SPIN_ENV)
+
+
+if __name__ in ("__main__", "__mp_main__"):  # the server and its children only
+    spin_wait_from_environment()
 
 
 def exit_now(code: object) -> None:
@@ -160,7 +165,10 @@ def drop_inherited_sockets(port: int) -> list[int]:
     return dropped
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """Run vLLM's OpenAI server with the arguments in `sys.argv` and leave the process: what
+    `python -m lit_rl.inference.vllm_main` does, and what a launcher's server does once forked
+    (`lit_rl.inference.launcher`, after `spin_wait_from_environment`)."""
     if os.environ.get(FORK_ENV) and not fork_engine_core():
         logging.getLogger(__name__).warning("%s is set but this vLLM has no CpuPlatform to patch: its engine core "
                                             "starts as vLLM chooses", FORK_ENV)
@@ -174,3 +182,7 @@ if __name__ == "__main__":
         traceback.print_exc()
         exit_code = 1
     exit_now(exit_code)
+
+
+if __name__ == "__main__":
+    main()
