@@ -61,10 +61,14 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_sessionfinish(session, exitstatus):
     """Tests clean up after themselves, failed ones too: the output files of `lit-rl` runs that a
-    failing test left unread (tests/forked_cli.py) go with the session (each xdist worker's own)."""
+    failing test left unread (tests/forked_cli.py) go with the session (each xdist worker's own), and
+    so does the worker's vLLM launcher (tests/vllm_launcher.py)."""
     forked = sys.modules.get("forked_cli")
     if forked is not None:
         forked.remove_leftover_outputs()
+    launcher = sys.modules.get("vllm_launcher")
+    if launcher is not None:
+        launcher.stop_launcher()
 
 
 @contextlib.contextmanager

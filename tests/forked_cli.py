@@ -13,7 +13,8 @@ directories pytest adds left out), `__main__` carrying lit_rl.cli's spec (so Lig
 starts DDP's other ranks as `python -m lit_rl.cli ...`), uncaught exceptions printed with exit code
 1, atexit hooks run at the end, stdout and stderr captured. What differs: modules were imported
 under the pytest worker's environment, so a variable read only at import time (none of lit-rl's)
-keeps the worker's value; the process's command line in /proc is the forkserver's.
+keeps the worker's value; the process's command line in /proc is the forkserver's; the vLLM servers
+it starts are forked by the worker's launcher (tests/vllm_launcher.py), not started as new interpreters.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import sys
 import tempfile
 import time
 import traceback
+
+from vllm_launcher import launcher_env
 
 PRELOAD = [
     "lit_rl.cli", "lit_rl.lightning_cli", "lit_rl.modules", "lit_rl.data", "lit_rl.data.rollout_datamodule",
@@ -120,8 +123,9 @@ class ForkedCLI:
             os.close(fd)
             self._paths.append(path)
             _UNREAD.add(path)
+        env = {**launcher_env(), **env}  # its vLLM servers forked by this worker's launcher (vllm_launcher.py)
         self._process = _context().Process(
-            target=_cli_main, args=(self.args, dict(env), str(cwd), *self._paths, new_session,
+            target=_cli_main, args=(self.args, env, str(cwd), *self._paths, new_session,
                                     _interpreter_path()))
         try:
             self._process.start()

@@ -1,0 +1,47 @@
+"""One vLLM launcher per pytest worker (lit_rl/inference/launcher.py), for the `lit-rl` runs the tests
+start (tests/forked_cli.py): their servers are forked from a process that has imported vLLM once,
+instead of each importing it again (a 15 s start becomes about 5 s on 2 cores).
+
+The servers a test starts itself (VLLMServer in the test's process, the session server) start the
+direct way, as a user's do; so do runs of an installed `lit-rl` (tests/test_install.py). The
+launcher is started at the first run that asks for it, in the background (its import overlaps the
+run's own start-up), and stopped at the end of the session (conftest.py) or with the worker.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from lit_rl.child_process import dies_with_parent, stop_process_group
+from lit_rl.inference.server_env import LAUNCHER_ENV
+
+_started: list[tuple[subprocess.Popen, Path]] = []
+
+
+@functools.cache
+def launcher_env() -> dict[str, str]:
+    """{LIT_RL_VLLM_LAUNCHER: its socket}, starting this worker's launcher; {} (every server started
+    directly) when `LIT_RL_TEST_DIRECT_STARTS=1`, to compare or to rule the launcher out."""
+    if os.environ.get("LIT_RL_TEST_DIRECT_STARTS") == "1":
+        return {}
+    directory = Path(tempfile.mkdtemp(prefix="lit-rl-test-launcher-"))
+    with open(directory / "launcher.log", "wb") as log:
+        proc = subprocess.Popen(dies_with_parent([sys.executable, "-m", "lit_rl.inference.launcher", str(directory)]),
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    _started.append((proc, directory))
+    return {LAUNCHER_ENV: str(directory / "socket")}
+
+
+def stop_launcher() -> None:
+    """Stop the launcher (its servers with it: they die with it) and remove its directory."""
+    while _started:
+        proc, directory = _started.pop()
+        stop_process_group(proc, grace=10)
+        shutil.rmtree(directory, ignore_errors=True)
+    launcher_env.cache_clear()
