@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_launcher import launcher_env
+from vllm_launcher import launcher_socket
 
 from lit_rl.child_process import group_alive
 from lit_rl.inference.launched_server import LaunchedServer
@@ -39,7 +39,7 @@ async def greedy(server, prompt: list[int]) -> list[int]:
 def test_a_launched_server_is_set_up_as_a_direct_start_and_its_end_is_reported(vllm_server, tokenizer, monkeypatch, tmp_path):
     """Same tokens as the session server (same weights, greedy); its own session; the command line
     `pgrep -f` finds; its environment (dev mode: a weight reload answers); its log; its exit code."""
-    monkeypatch.setenv(LAUNCHER_ENV, launcher_env()[LAUNCHER_ENV])
+    monkeypatch.setenv(LAUNCHER_ENV, launcher_socket())
     log = tmp_path / "vllm.log"
     with served(vllm_server.model_dir, log) as server:
         assert isinstance(server.proc, LaunchedServer)
@@ -80,7 +80,7 @@ def test_a_launched_server_dies_with_the_process_that_asked_for_it(vllm_server, 
         time.sleep(600)
     """)
     asker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, **launcher_env()})
+                             env={**os.environ, LAUNCHER_ENV: launcher_socket()})
     try:
         pid = int(asker.stdout.readline())
         assert group_alive(pid)

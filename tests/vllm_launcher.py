@@ -24,18 +24,22 @@ from lit_rl.inference.server_env import LAUNCHER_ENV
 _started: list[tuple[subprocess.Popen, Path]] = []
 
 
-@functools.cache
 def launcher_env() -> dict[str, str]:
-    """{LIT_RL_VLLM_LAUNCHER: its socket}, starting this worker's launcher; {} (every server started
-    directly) when `LIT_RL_TEST_DIRECT_STARTS=1`, to compare or to rule the launcher out."""
-    if os.environ.get("LIT_RL_TEST_DIRECT_STARTS") == "1":
-        return {}
+    """{LIT_RL_VLLM_LAUNCHER: its socket} for the runs (this worker's launcher, started at the first
+    call); {} (every server started directly) when `LIT_RL_TEST_DIRECT_STARTS=1`, to compare or to
+    rule the launcher out."""
+    return {} if os.environ.get("LIT_RL_TEST_DIRECT_STARTS") == "1" else {LAUNCHER_ENV: launcher_socket()}
+
+
+@functools.cache
+def launcher_socket() -> str:
+    """The socket of this worker's launcher, started at the first call."""
     directory = Path(tempfile.mkdtemp(prefix="lit-rl-test-launcher-"))
     with open(directory / "launcher.log", "wb") as log:
         proc = subprocess.Popen(dies_with_parent([sys.executable, "-m", "lit_rl.inference.launcher", str(directory)]),
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     _started.append((proc, directory))
-    return {LAUNCHER_ENV: str(directory / "socket")}
+    return str(directory / "socket")
 
 
 def stop_launcher() -> None:
@@ -44,4 +48,4 @@ def stop_launcher() -> None:
         proc, directory = _started.pop()
         stop_process_group(proc, grace=10)
         shutil.rmtree(directory, ignore_errors=True)
-    launcher_env.cache_clear()
+    launcher_socket.cache_clear()
