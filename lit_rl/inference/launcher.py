@@ -1,10 +1,10 @@
 """A process that has imported vLLM once and forks each vLLM server asked of it: opt-in, for a process
 tree that starts many servers (lit-rl's test suite), through `LIT_RL_VLLM_LAUNCHER`.
 
-Why: importing vLLM's API server takes 10-12 s of CPU on a 2-core machine, most of a 15 s server
-start; a server forked from a process that has imported it already is healthy about 5 s after it
-is asked for (measured 2026-12-07, the tiny model). A training run starts each server once, so it
-gains little, but the suite starts dozens, each from a new `lit-rl` process.
+Why: importing vLLM's API server takes 10-12 s of CPU on a 2-core machine, most of a server's
+start; one forked from a process that has imported it already started in 4.0 s instead of 10.0 s
+(the tiny model, `bench/server_start.py --launcher`, docs/benchmarks.md). A training run starts
+each server once, so it gains little; the suite's `lit-rl` runs start many, each a new process.
 
     python -m lit_rl.inference.launcher DIR     # listens on DIR/socket (DIR: the caller's, mode 0700)
     LIT_RL_VLLM_LAUNCHER=DIR/socket lit-rl fit ...   # its VLLMServer starts go through the launcher
