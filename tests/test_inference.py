@@ -38,6 +38,7 @@ from lit_rl.inference.client import (
     InferenceClient,
     InferenceRequestError,
     InferenceServerError,
+    NoRetryOnTimeout,
     ReloadRefused,
     chat_prompt_ids,
 )
@@ -321,6 +322,36 @@ class ServerWithoutTheExtension(VLLMServer):
         cmd = super().command()
         at = cmd.index("--worker-extension-cls")
         return cmd[:at] + cmd[at + 2:]
+
+
+def test_a_reload_cut_off_once_the_server_has_paused_still_resumes_generation(vllm_server, monkeypatch):
+    """The sync's timeout (a cancellation) can land after the server has paused for a reload but
+    before the client has read /pause's answer: the reload must still resume generation, or every
+    later request waits forever. The cancellation is made to land exactly there."""
+    real_send = NoRetryOnTimeout.send
+
+    async def send(self, request, **kwargs):
+        response = await real_send(self, request, **kwargs)
+        if request.url.path == "/pause":  # answered, so paused: cancelled before the client reads it
+            raise asyncio.CancelledError
+        return response
+
+    async def go():
+        async with vllm_server.client() as client:
+            monkeypatch.setattr(NoRetryOnTimeout, "send", send)
+            with pytest.raises(asyncio.CancelledError):
+                await client.reload_weights(vllm_server.model_dir)
+            monkeypatch.undo()
+            async with httpx.AsyncClient(base_url=vllm_server.server.root_url) as http:
+                paused = (await http.get("/is_paused")).json()["is_paused"]
+                try:
+                    assert paused is False
+                    out = await asyncio.wait_for(client.generate([1, 2, 3], max_tokens=4, temperature=0.0), 30)
+                    assert len(out[0].completion_ids) == 4
+                finally:
+                    await http.post("/resume")  # whatever happened, the session's server generates again
+
+    run(go())
 
 
 def test_a_server_without_the_worker_extension_is_refused_a_tied_head_reload(tmp_path):

@@ -347,8 +347,13 @@ class InferenceClient:
     async def _swap(self, path: Path, step: int, load: Callable[[Path], Any]) -> None:
         """`load(path)` with generation paused, then the prefix cache reset and the version set."""
         async with self._reload_lock:
-            paused = await self._pause_generation()
+            paused = False
             try:
+                try:
+                    paused = await self._pause_generation()
+                except asyncio.CancelledError:  # cut off (a sync's timeout) when /pause may have landed
+                    paused = True  # resuming a server that is not paused changes nothing
+                    raise
                 with lease(path, f"reload-{os.getpid()}-{id(self)}"):
                     await load(path)
                 cache = await self._call("reset_prefix_cache", self._root.post(
