@@ -137,14 +137,24 @@ def serve(directory: str) -> None:
                     conn.close()
                     continue
                 sys.stdout.flush(), sys.stderr.flush()
-                pid = os.fork()
+                try:
+                    pid = os.fork()
+                except OSError as e:  # out of memory or processes: this request fails, the others' servers stay
+                    _send(conn, {"error": f"fork failed: {e}"})
+                    conn.close()
+                    continue
                 if pid == 0:
                     _become_server(request, [listener, selector, conn, *servers.values()], os.getppid())
                 servers[pid] = conn
                 selector.register(conn, selectors.EVENT_READ, pid)
                 _send(conn, {"pid": pid})
-            else:  # a requester's connection: only its end (EOF) is expected
+            else:  # a requester's connection: its end (EOF) means the requester is gone
                 pid, conn = key.data, key.fileobj
+                try:
+                    if conn.recv(4096):  # nothing more is expected; ignored
+                        continue
+                except OSError:
+                    pass
                 selector.unregister(conn)
                 conn.close()
                 servers.pop(pid, None)
