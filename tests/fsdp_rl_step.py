@@ -11,6 +11,7 @@ OUT_DIR/metrics.json, for the tests to hold against one process.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -43,7 +44,9 @@ def main(algorithm: str, options: str, out: str, steps: str = "1") -> None:
     data = (mixed_share(samples, replay) if replay else
             RankShare(samples, micro_batch_tokens=48, packing="packed", steps=int(steps)))
     trainer.fit(module, datamodule=data)
-    print(f"rank {trainer.global_rank} parts: {data.parts_per_micro_batch if replay else None}", flush=True)
+    # One write per line, each rank's whole: under PYTHONUNBUFFERED print's text and newline are two
+    # writes, and the two ranks' lines once interleaved in the shared pipe ("rank 0 parts: ...rank 1 parts: ...").
+    os.write(1, f"rank {trainer.global_rank} parts: {data.parts_per_micro_batch if replay else None}\n".encode())
     full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().contiguous()
             for k, v in module.model.state_dict().items()}
     frozen = module.teacher if algorithm == "OPD" else module._reference
