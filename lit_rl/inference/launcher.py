@@ -35,7 +35,7 @@ import socket
 import sys
 import time
 
-from lit_rl.child_process import signal_group
+from lit_rl.child_process import exit_with_parent, signal_group
 
 ORPHAN_GRACE_S = 30.0
 _REQUEST_TIMEOUT_S = 10.0
@@ -44,17 +44,11 @@ _REQUEST_TIMEOUT_S = 10.0
 def _become_server(request: dict, inherited: list, launcher_pid: int) -> None:
     """In the forked child: set up as VLLMServer's direct start would be, then run vllm_main. Never
     returns: the child must not go back to the launcher's loop."""
-    code = 1
     try:
         for resource in inherited:  # the listening socket, every connection, the selector
             resource.close()
         os.setsid()
-        if sys.platform.startswith("linux"):
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != launcher_pid:
-            os._exit(70)
+        exit_with_parent(launcher_pid)
         from setproctitle import setproctitle
 
         spec = importlib.util.find_spec("lit_rl.inference.vllm_main")
@@ -81,7 +75,7 @@ def _become_server(request: dict, inherited: list, launcher_pid: int) -> None:
 
         traceback.print_exc()
     finally:
-        os._exit(code)
+        os._exit(1)  # vllm_main.main() leaves with the server's own code; only a failure gets here
 
 
 def _read_request(conn: socket.socket) -> dict:
