@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,14 +48,13 @@ LAUNCHED = "lit-rl's, forked by a launcher"
 @contextlib.contextmanager
 def launcher(root: Path):
     """A vLLM launcher on `root`/launcher (yields its socket), stopped at the end."""
-    from lit_rl.child_process import dies_with_parent, stop_process_group
+    from lit_rl.child_process import stop_process_group
+    from lit_rl.inference.launched_server import start_launcher
 
     directory = root / "launcher"
     directory.mkdir(mode=0o700)
     began = time.monotonic()
-    with open(directory / "launcher.log", "wb") as log:
-        proc = subprocess.Popen(dies_with_parent([sys.executable, "-m", "lit_rl.inference.launcher", str(directory)]),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_launcher(directory)
     try:
         while not (directory / "socket").exists():
             if proc.poll() is not None:

@@ -1,6 +1,7 @@
 """One vLLM launcher per pytest worker (lit_rl/inference/launcher.py), for the `lit-rl` runs the tests
 start (tests/forked_cli.py): their servers are forked from a process that has imported vLLM once,
-instead of each importing it again (a 15 s start becomes about 5 s on 2 cores).
+instead of each importing it again (4.0 s instead of 10.0 s a start of the tiny model on 2 cores,
+`bench/server_start.py --launcher`).
 
 The servers a test starts itself (VLLMServer in the test's process, the session server) start the
 direct way, as a user's do; so do runs of an installed `lit-rl` (tests/test_install.py). The
@@ -14,11 +15,11 @@ import functools
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from lit_rl.child_process import dies_with_parent, stop_process_group
+from lit_rl.child_process import stop_process_group
+from lit_rl.inference.launched_server import start_launcher
 from lit_rl.inference.server_env import LAUNCHER_ENV
 
 _started: list[tuple[subprocess.Popen, Path]] = []
@@ -35,10 +36,7 @@ def launcher_env() -> dict[str, str]:
 def launcher_socket() -> str:
     """The socket of this worker's launcher, started at the first call."""
     directory = Path(tempfile.mkdtemp(prefix="lit-rl-test-launcher-"))
-    with open(directory / "launcher.log", "wb") as log:
-        proc = subprocess.Popen(dies_with_parent([sys.executable, "-m", "lit_rl.inference.launcher", str(directory)]),
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    _started.append((proc, directory))
+    _started.append((start_launcher(directory), directory))
     return str(directory / "socket")
 
 

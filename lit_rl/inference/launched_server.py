@@ -12,10 +12,12 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
-from lit_rl.child_process import pid_alive
+from lit_rl.child_process import dies_with_parent, pid_alive
 from lit_rl.inference.server_env import LAUNCHER_ENV
 
 _REQUEST_TIMEOUT_S = 10.0
@@ -24,6 +26,15 @@ _STARTING_LAUNCHER_WAIT_S = 120.0
 
 class LauncherError(RuntimeError):
     """The launcher could not be reached, or could not start the server (its reason given)."""
+
+
+def start_launcher(directory: Path) -> subprocess.Popen:
+    """Start `python -m lit_rl.inference.launcher directory` (a directory private to its owner), its
+    output in directory/launcher.log, dying with this process; its socket, directory/socket, is
+    bound once it has imported vLLM (a LaunchedServer waits for it)."""
+    with open(directory / "launcher.log", "wb") as log:
+        return subprocess.Popen(dies_with_parent([sys.executable, "-m", "lit_rl.inference.launcher", str(directory)]),
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 class LaunchedServer:
