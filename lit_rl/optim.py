@@ -67,6 +67,26 @@ def config_values_of(section: str):
         raise ConfigError(f"invalid config: {section}: {e}") from e
 
 
+def parameter_groups(module) -> list[dict]:
+    """The trained parameters of `module` in the groups the optimizer factory is called with: the
+    matrices (and embeddings), which take the optimizer's weight decay, and the vectors (biases and
+    norm weights), which take none.
+
+    Why: decay pulls a weight towards zero. For a matrix that is the regulariser meant; for an
+    RMSNorm's gain (initialised at 1) it shrinks every activation's scale, and for a bias it moves
+    an offset that has nothing to do with the model's capacity. transformers' Trainer (so TRL),
+    nanoGPT and litgpt leave both undecayed; torch's AdamW default (`weight_decay` 0.01) would decay
+    them. The rule is the tensor's rank, which names no module type: every bias and norm weight of a
+    causal LM is a vector and every other weight is not. Only `requires_grad` parameters: a LoRA
+    run's frozen base gets no optimizer state. An empty group is left out.
+    """
+    trained = [p for p in module.parameters() if p.requires_grad]
+    decayed = [p for p in trained if p.ndim >= 2]
+    undecayed = [p for p in trained if p.ndim < 2]
+    groups = [{"params": decayed}] if decayed else []
+    return groups + ([{"params": undecayed, "weight_decay": 0.0}] if undecayed else [])
+
+
 def scheduler_names() -> list[str]:
     from transformers.trainer_utils import SchedulerType
 

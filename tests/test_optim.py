@@ -10,9 +10,10 @@ import pytest
 import torch
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
+from helpers import TINY_MODEL
 from lit_rl.errors import ConfigError
 from lit_rl.modules import SFT
-from lit_rl.optim import LRSchedule, WarmupCosineLR, build_lr_scheduler
+from lit_rl.optim import LRSchedule, WarmupCosineLR, build_lr_scheduler, parameter_groups
 
 
 def optimizer(lr: float = 1.0) -> torch.optim.Optimizer:
@@ -56,7 +57,7 @@ def test_a_resume_with_a_longer_run_goes_on_with_the_longer_schedule():
     resumed.optimizer.load_state_dict(short.optimizer.state_dict())
     resumed.load_state_dict(short.state_dict())
     assert lrs(resumed, 4) == pytest.approx(lrs(module_schedule(8, **kwargs), 8)[4:])
-    assert resumed.total_steps == 8 and resumed.get_last_lr() == pytest.approx([0.0])  # its lr after the 4 steps
+    assert resumed.total_steps == 8 and resumed.get_last_lr() == pytest.approx([0.0, 0.0])  # both groups, after the 4 steps
 
 
 def test_a_schedules_missing_or_unknown_argument_is_one_error_naming_scheduler_kwargs():
@@ -123,3 +124,33 @@ def test_a_run_shorter_than_the_warmup_just_warms_up(caplog):
     with caplog.at_level(logging.WARNING, logger="lit_rl.optim"):
         values = lrs(module_schedule(3, name="cosine", warmup_steps=10), 3)
     assert values == pytest.approx([0.0, 0.1, 0.2]) and "ends within the warm-up" in caplog.text
+
+
+def test_weight_decay_spares_biases_and_norm_weights():
+    """The optimizer decays the matrices only: after one AdamW step on zero gradients (so the only
+    change is the decay) a Linear's weight is scaled by 1 - lr x weight_decay, while its bias and a
+    LayerNorm's gain and bias are untouched, as transformers' Trainer leaves them."""
+    module = SFT(optimizer=lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.5))
+    module.model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
+    before = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    optimizer = module.configure_optimizers()
+    for p in module.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    after = dict(module.model.named_parameters())
+    torch.testing.assert_close(after["0.weight"].detach(), before["0.weight"] * (1 - 0.1 * 0.5))
+    for name in ("0.bias", "1.weight", "1.bias"):
+        torch.testing.assert_close(after[name].detach(), before[name], atol=0, rtol=0)
+
+
+def test_the_tiny_models_undecayed_parameters_are_its_norms():
+    """The rank rule of `parameter_groups` on a real causal LM: the vectors it spares are exactly the
+    norm weights (Qwen3 has no biases), and every matrix, the embedding among them, is decayed."""
+    module = SFT(model=TINY_MODEL, random_init=True)
+    module.configure_model()
+    names = {id(p): n for n, p in module.named_parameters()}
+    decayed, undecayed = parameter_groups(module)
+    assert undecayed["weight_decay"] == 0.0 and "weight_decay" not in decayed  # the config's value
+    assert {names[id(p)] for p in undecayed["params"]} == {n for n in names.values() if "norm" in n}
+    assert any("embed_tokens" in names[id(p)] for p in decayed["params"])
+    assert len(decayed["params"]) + len(undecayed["params"]) == len(names)

@@ -46,7 +46,7 @@ from lit_rl.lora import (
 from lit_rl.losses import masked_cross_entropy_sum, shifted_token_logprobs, token_entropy
 from lit_rl.modules.model_loading import DTYPES, load_causal_lm, turn_off_dropout
 from lit_rl.modules.step import TrainingStep, trained_tokens
-from lit_rl.optim import build_lr_scheduler, config_values_of, trainer_total_steps
+from lit_rl.optim import build_lr_scheduler, config_values_of, parameter_groups, trainer_total_steps
 from lit_rl.sampling_process import RAW, SamplingProcess
 from lit_rl.sharding import FSDP2Options, apply_fsdp2, body, is_sharded
 
@@ -88,7 +88,8 @@ class CausalLMModule(TrainingStep, L.LightningModule):
             trust_remote_code: allow model code from the hub repository to run. Off by default.
             attn_implementation: passed to transformers (``sdpa``, ``eager``, ``flash_attention_2``).
             tokenizer: tokenizer name or path when it differs from ``model``.
-            optimizer: called with the parameters; e.g. class_path torch.optim.AdamW.
+            optimizer: called with the trained parameters in two groups, the second (biases and norm
+                weights) with ``weight_decay`` 0 (`lit_rl.optim.parameter_groups`); e.g. class_path torch.optim.AdamW.
             lr_scheduler: called with the optimizer; stepped once per optimizer step. e.g. class_path
                 lit_rl.optim.LRSchedule, whose length defaults to the trainer's optimizer steps.
             max_grad_norm: clip the global gradient norm to this; None disables clipping.
@@ -402,9 +403,9 @@ class CausalLMModule(TrainingStep, L.LightningModule):
         return scatter(lp), None if ent is None else scatter(ent)
 
     def configure_optimizers(self):
-        # only what trains: a LoRA adapter's weights, not the frozen base (no optimizer state for it)
+        # only what trains, and no weight decay on biases and norm weights (lit_rl/optim.py says why)
         with config_values_of("model.init_args.optimizer"):
-            optimizer = self.optimizer_factory([p for p in self.parameters() if p.requires_grad])
+            optimizer = self.optimizer_factory(parameter_groups(self))
         if self.scheduler_factory is None:
             return optimizer
         # The schedule's length defaults to the trainer's optimizer steps (lit_rl/optim.py says why this way).
