@@ -9,8 +9,10 @@ would stop there with "Missing key". This subclass, which configs/strategies/fsd
 only the trainable tensors (and the optimizer state) from a sharded checkpoint that left the frozen
 ones out, or from one file that did (a LoRA run of one process or DDP, resumed under FSDP2); the
 module's `on_load_checkpoint` then checks that the base it was loaded with is the one the adapter
-was trained on. Everything else is Lightning's. Lightning's own class still works, with
-the whole module in every checkpoint; so does `save_distributed_checkpoint: false` (one file).
+was trained on. It also loads every one-file checkpoint (one process's or DDP's, resumed under FSDP2)
+itself, naming the optimizer's state by the optimizer's own groups (`_load_one_file` says why).
+Everything else is Lightning's. Lightning's own class still resumes its own sharded checkpoints, with
+the whole module in every one; so does `save_distributed_checkpoint: false` (one file).
 """
 
 from __future__ import annotations
@@ -46,12 +48,10 @@ class ModelParallelStrategy(LightningModelParallelStrategy):
         path = Path(self.broadcast(checkpoint_path))
         module = self.lightning_module
         frozen = frozen_parameter_names(module) if has_adapter(getattr(module, "model", None)) else set()
-        if not _is_sharded_checkpoint(path):
-            if frozen:  # one process's or DDP's LoRA checkpoint leaves the base out
-                checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
-                if _leaves_out(path, checkpoint["state_dict"], frozen, module):
-                    return self._load_without_base(checkpoint)
-            return super().load_checkpoint(path, weights_only=weights_only)
+        if not _is_sharded_checkpoint(path):  # one process's or DDP's
+            checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+            without_base = bool(frozen) and _leaves_out(path, checkpoint["state_dict"], frozen, module)
+            return self._load_one_file(checkpoint, strict=module.strict_loading and not without_base)
         stored = _stored(path)
         if not frozen:
             if any(is_adapter_key(k) for k in stored):
@@ -74,25 +74,32 @@ class ModelParallelStrategy(LightningModelParallelStrategy):
                                      options=StateDictOptions(cpu_offload=True))
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
-    def _load_without_base(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """Lightning's loading of a one-file checkpoint (`_load_checkpoint`), for one that left the
-        frozen base out (written in one process or under DDP): the base stays as the model loaded it
-        (`on_load_checkpoint` checks its fingerprint; `_leaves_out` checked the rest), and the
-        optimizer's state, kept by position over the trainable parameters only, is keyed by their
-        names here (Lightning's rekeying counts every parameter, the frozen ones too, and puts the
-        adapter's state on the wrong tensors)."""
+    def _load_one_file(self, checkpoint: dict[str, Any], strict: bool) -> dict[str, Any]:
+        """Lightning's loading of a one-file checkpoint (`_load_checkpoint`), but for the optimizer's
+        state: a torch optimizer's `state_dict()` keys it by position, counted over the optimizer's
+        parameters group after group, and Lightning's rekeying to names counts `model.parameters()`
+        instead. Those differ as soon as the parameters are in two groups (`lit_rl.optim.parameter_groups`:
+        the norms come last) or the frozen base is left out (a LoRA checkpoint, whose base stays as the
+        model loaded it: `on_load_checkpoint` checks its fingerprint, `_leaves_out` checked the rest),
+        and the state would land on the wrong tensors. Here the positions are named from the optimizer's
+        own groups."""
         from lightning.fabric.strategies.model_parallel import _load_raw_module_state
 
-        _load_raw_module_state(checkpoint.pop("state_dict"), self.model, strict=False)
-        trainable = [name for name, p in self.model.named_parameters() if p.requires_grad]
+        _load_raw_module_state(checkpoint.pop("state_dict"), self.model, strict=strict)
+        name_of = {id(p): name for name, p in self.model.named_parameters()}
         options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True)
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):  # left in, as Lightning does
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=_by_name(state, trainable), options=options)
+            # the positions count the optimizer's parameters group after group (lit_rl.optim.parameter_groups)
+            order = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=_by_name(state, order), options=options)
         return checkpoint
 
 
 def _by_name(state: dict, names: list[str]) -> dict:
-    """A torch optimizer's state dict keyed by position (its `state_dict()`) keyed by `names` instead."""
+    """A torch optimizer's state dict keyed by position (its `state_dict()`) keyed by `names` instead:
+    `names[i]` is the name of the optimizer's i-th parameter."""
+    if not all(isinstance(i, int) for group in state["param_groups"] for i in group["params"]):
+        return state  # already by name: written by this strategy with save_distributed_checkpoint false
     return {"state": {names[i]: v for i, v in state["state"].items()},
             "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]]}
 

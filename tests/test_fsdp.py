@@ -6,7 +6,8 @@ through the real CLI and configs/strategies/fsdp2.yaml as a second --config:
   gradient norm and its clipping are taken over all shards);
 - the HF export gathered from the shards equals the one-process export bit for bit, given
   the same weights (loaded from disk, one step with learning rate 0);
-- a sharded run stopped after step 1 and resumed continues exactly as an uninterrupted one;
+- a sharded run stopped after step 1 and resumed continues exactly as an uninterrupted one, and so
+  does a one-process run resumed under FSDP2;
 - activation checkpointing recomputes every sharded layer in backward and does not change the update;
 - GRPO and OPD run under FSDP2 with the real vLLM server;
 - a LoRA adapter trains under FSDP2 as in one process, and its sharded checkpoints hold the adapter
@@ -143,6 +144,21 @@ def test_sharded_resume_continues_exactly(runs):
     assert [resumed[s]["train/loss"] for s in (0, 1)] == [straight[s]["train/loss"] for s in (0, 1)]
     a, b = weights(tmp / "two", 2), weights(split, 2)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_one_process_checkpoint_resumes_under_fsdp2_exactly(runs):
+    """A one-process `last.ckpt` (one file, SGD's momentum for each parameter in the optimizer's two
+    groups, lit_rl.optim.parameter_groups) resumed under FSDP2: the run goes on as the one-process
+    run did. Lightning's own loading names the momentum buffers by `model.parameters()`' order, which
+    is not the groups' order: the norms' buffers would land on other tensors or refuse to load."""
+    tmp, data = runs
+    cross = tmp / "cross"
+    ok(fit(cross, data, 1))
+    ok(sharded(cross, data, 2, "--ckpt_path", "last"))
+    a, b = weights(tmp / "one", 2), weights(cross, 2)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=ATOL, rtol=0, msg=k)
 
 
 def test_grpo_under_fsdp2_with_a_real_server(vllm_server, tmp_path):
