@@ -140,6 +140,18 @@ class CtrlCTwice(L.Callback):
             os.kill(os.getpid(), signal.SIGINT)
 
 
+class TermDuringValidation(L.Callback):
+    """Sends SIGTERM to this process after the first batch of the validation at step `step`, which
+    has more batches: Lightning stops that validation there, before its metrics are logged."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if trainer.global_step == self.step and batch_idx == 0 and not trainer.sanity_checking:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 class NaNLossAtStep(L.Callback):
     """Makes the input embeddings NaN from step `step` on (a forward hook), so that the loss and
     the gradients are: the step must not be applied."""

@@ -45,13 +45,17 @@ def snapshot(root: Path) -> dict[str, float]:
     return {str(p): p.stat().st_mtime_ns for d in ("weights", "checkpoints") for p in (root / d).rglob("*") if p.is_file()}
 
 
+def validation(tmp: Path) -> list[str]:
+    return ["--data.init_args.val_path", str(tmp / "val.jsonl"), "--trainer.val_check_interval", "3"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume")
     data = write_jsonl(tmp / "train.jsonl", reverse_rows(20))  # 2 steps of 8 rows per epoch: resume crosses epochs
     # validation every 3 steps: the first launch of `split` ends with one, after its last step
-    val = ["--data.init_args.val_path", write_jsonl(tmp / "val.jsonl", reverse_rows(4, offset=20)),
-           "--trainer.val_check_interval", "3"]
+    write_jsonl(tmp / "val.jsonl", reverse_rows(12, offset=20))  # two batches
+    val = validation(tmp)
     straight, split = tmp / "straight", tmp / "split"
     for args in (fit(straight, data, 6, "--seed_everything", "7", *val), fit(split, data, 3, "--seed_everything", "7", *val)):
         out = run(args)
@@ -75,6 +79,24 @@ def test_resume_equals_uninterrupted(runs):
     wa = load_file(straight / "weights" / "step_6" / "model.safetensors")
     wb = load_file(split / "weights" / "step_6" / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_stop_during_validation_runs_that_validation_when_resumed(runs, lit_rl_main):
+    """SIGTERM after the first of the two batches of step 3's validation: Lightning stops the
+    validation there and the run saves and exits 143. Resumed, the run validates the weights of
+    step 3 again, over every batch, before training on: its `val/` metrics and losses are those
+    of the uninterrupted run (that validation was skipped, and never logged)."""
+    tmp, data, straight, _ = runs
+    stopped = tmp / "stopped_in_validation"
+    code, _, stderr = lit_rl_main(fit(stopped, data, 6, "--seed_everything", "7", *validation(tmp),
+                                      "--trainer.callbacks+=online_eval_helpers.TermDuringValidation",
+                                      "--trainer.callbacks.step=3"))
+    assert code == 143 and "stopped by SIGTERM after step 3" in stderr, stderr[-3000:]
+    assert losses(stopped, "val/loss") == {}  # the stop came before the validation's end
+    code, _, stderr = lit_rl_main(fit(stopped, data, 6, "--ckpt_path", "last", *validation(tmp)))
+    assert code == 0, stderr[-3000:]
+    assert losses(stopped, "val/loss") == losses(straight, "val/loss") and sorted(losses(stopped, "val/loss")) == [2, 5]
+    assert losses(stopped) == losses(straight)
 
 
 def test_resume_logs_the_epochs_of_the_uninterrupted_run(runs):

@@ -90,6 +90,35 @@ def _epoch_cut_short_left_open(trainer):
             tracker.completed += 1
 
 
+@contextmanager
+def _validation_left_open(trainer):
+    """While the checkpoint of a stop asked for during validation is written: the validation counts
+    as interrupted inside a batch, which is how Lightning's restart recognises a checkpoint saved
+    mid-evaluation (`_EvaluationLoop.update_restart_stage`) and runs that validation before the next
+    step, and none of its batches counts as done, so that it runs over all of them (a restarted
+    evaluation goes through its data from the start but stops as many batches early as it counted
+    done: 7 of 8, another `val/loss`). Lightning stops a validation after any batch but the last once
+    a SIGTERM (or lit-rl's first Ctrl-C) came, with every batch so far counted as done; a run resumed
+    from that checkpoint skipped the validation, and its `val/` metrics of that step were never
+    logged (the uninterrupted run has them)."""
+    progress = trainer.fit_loop.epoch_loop.val_loop.batch_progress
+    total, current = progress.total, progress.current
+    cut = (trainer.validating and not trainer.sanity_checking and total.completed > 0
+           and total.ready == total.started == total.processed == total.completed)
+    kept = current.state_dict()
+    if cut:
+        total.processed -= 1
+        total.completed -= 1
+        current.reset()
+    try:
+        yield
+    finally:
+        if cut:
+            total.processed += 1
+            total.completed += 1
+            current.load_state_dict(kept)
+
+
 class RunCheckpoint(ModelCheckpoint):
     def __init__(self, dirpath: str | None = None, every_n_train_steps: int | None = 100, **kwargs):
         """
@@ -224,7 +253,8 @@ class RunCheckpoint(ModelCheckpoint):
         """The checkpoint of a graceful stop (idempotent); `lit_rl.stopping` calls it before any
         server is stopped, `on_exception` otherwise."""
         stopping.stopped_by = stopping.stopped_by or signal.SIGTERM
-        self._save_before_exit(trainer, "stopping: checkpoint written")
+        with _validation_left_open(trainer):
+            self._save_before_exit(trainer, "stopping: checkpoint written")
 
     def save_on_failure(self, trainer) -> None:
         """The checkpoint of a run that fails after training started (`stopping.saves_on_failure`;
