@@ -186,6 +186,16 @@ class RaisingEval(Environment):
         raise ValueError("a bug in this eval")
 
 
+class HangingEval(Environment):
+    """A custom eval that never ends (a reward waiting on a lock that is never released)."""
+
+    default_name = "hangs"
+
+    async def evaluate(self, run: EvalRun) -> dict[str, float]:
+        await asyncio.Event().wait()
+        return {}
+
+
 class ServedVersion(Environment):
     """A custom eval that returns torch scalars (as a torchmetrics `compute()` does): the version the
     server says it serves while this step is evaluated."""

@@ -202,6 +202,27 @@ def test_an_eval_that_raises_fails_alone_and_metrics_are_logged_as_numbers(vllm_
                            for name, value in (("version", s), ("half", 0.5), ("policy_version", s))}, metrics
 
 
+def test_an_eval_past_its_timeout_fails_alone_and_the_evaluator_goes_on(vllm_server, monkeypatch):
+    """An eval that never ends, against the session's server with `--eval-timeout 1`: it is recorded
+    as failed at each step, naming the limit, and the eval after it runs at both steps. Before, the
+    first step's hanging eval held the evaluator for good (no later eval, and beside training the
+    trainer's wait for the final eval ran out)."""
+    from lit_rl import cli
+
+    monkeypatch.setattr(sys, "argv", ["lit-rl"])
+    with vllm_server.run_dir(steps=(0, 1)) as run_root:
+        started = time.monotonic()
+        with pytest.raises(SystemExit) as failed:
+            cli.main(["evaluate", "--run-dir", str(run_root), "--base-url", vllm_server.base_url, "--eval-timeout", "1",
+                      "--env", "online_eval_helpers.HangingEval", "--env", "online_eval_helpers.ServedVersion"])
+        assert failed.value.code == ("lit-rl evaluate: 2 of 4 evals failed (a rerun tries them again): hangs at steps "
+                                     "0, 1: EvalTimeout: did not finish in 1 s (OnlineEval.eval_timeout, lit-rl "
+                                     "evaluate --eval-timeout)"), failed.value.code
+        assert DoneLog(run_root).entries == {(0, "hangs"): "failed", (0, "served"): "ok",
+                                             (1, "hangs"): "failed", (1, "served"): "ok"}
+        assert time.monotonic() - started < 60
+
+
 def test_an_evaluator_behind_skips_each_eval_only_for_a_newer_step_of_its_own(vllm_server):
     """`lit-rl evaluate --follow` (OnlineEval's evaluator) that finds steps 2 and 3 waiting, with
     `fast` due at every step and `slow` every 2nd. Before: it skipped to step 3 and skipped step 2 for

@@ -66,6 +66,7 @@ class OnlineEval(L.Callback):
         api_key: str | None = None,
         server: dict | None = None,
         final_timeout: float = 900.0,
+        eval_timeout: float | None = 1800.0,
         cpus: list[int] | None = None,
         chat_template_kwargs: dict | None = None,
     ):
@@ -81,6 +82,9 @@ class OnlineEval(L.Callback):
             server: options for the server lit-rl starts (``lit_rl.inference.server.VLLMServer``),
                 e.g. ``{max_model_len: 1024, dtype: float32}``.
             final_timeout: seconds the trainer waits at the end for the final eval.
+            eval_timeout: seconds one environment's eval of one step may take; past it the eval is
+                recorded as failed (`lit-rl evaluate` on the run reruns it) and the evaluator goes on
+                with the next. None: no limit, and an eval that never ends stops every eval after it.
             cpus: CPU cores for the evaluator and the vLLM CPU server it starts, e.g. the cores
                 training leaves free (pin training with ``taskset``). None: no pinning, so on a
                 CPU machine both compete for the same cores.
@@ -96,6 +100,8 @@ class OnlineEval(L.Callback):
         unknown = set(intervals or {}) - set(names)
         if unknown:
             raise ValueError(f"OnlineEval.intervals names unknown environments {sorted(unknown)}; known: {names}")
+        if eval_timeout is not None and not eval_timeout > 0:
+            raise ValueError(f"OnlineEval.eval_timeout must be > 0 seconds, or null for no limit; got {eval_timeout}")
         if base_url and server:
             raise ValueError("OnlineEval: give base_url (an existing server) or server options, not both")
         problems = evaluator_server_problems(server or {}, envs, where="server.")
@@ -106,7 +112,7 @@ class OnlineEval(L.Callback):
         if problems:
             raise ValueError("OnlineEval: " + "; ".join(problems))
         self.plan = EvalPlan(envs=[e.to_config() for e in envs], interval=interval, intervals=dict(intervals or {}),
-                             eval_base=eval_base)
+                             eval_base=eval_base, eval_timeout=eval_timeout)
         self.names = names
         self.base_url, self.api_key, self.server = base_url, api_key, typed_server_options(server or {})
         self.final_timeout = final_timeout

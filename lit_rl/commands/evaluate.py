@@ -64,6 +64,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         "(default: the plan's, which OnlineEval takes from the training data; with --env: none)")
     p.add_argument("--log-dir", help="where eval_metrics.csv goes (default: <run dir>/evals)")
     p.add_argument("--wandb", type=json_object, default=None, help="JSON of wandb.init arguments to join the trainer's run")
+    p.add_argument("--eval-timeout", type=float, default=None,
+                   help="seconds one environment's eval of one step may take before it is recorded as failed "
+                        "(default: the plan's, 1800 unless OnlineEval.eval_timeout set it; with --env: 1800)")
     p.add_argument("--follow", action="store_true", help="keep watching until the trainer's final step is evaluated")
     p.add_argument("--parent-pid", type=int, default=None, help="stop when this process is gone")
     p.add_argument("--start-timeout", type=float, default=3600.0,
@@ -88,6 +91,8 @@ def option_problems(args: argparse.Namespace) -> list[str]:
         problems.append("--plan and --env: give one (--env makes its own plan)")
     if args.base_url and args.server:
         problems.append("--server: options of a server lit-rl starts, but --base-url names one already running")
+    if args.eval_timeout is not None and not args.eval_timeout > 0:
+        problems.append(f"--eval-timeout must be > 0 seconds, got {args.eval_timeout}")
     if args.max_server_restarts < 0:
         problems.append(f"--max-server-restarts must be >= 0, got {args.max_server_restarts}")
     return problems
@@ -125,6 +130,8 @@ def load_plan(args: argparse.Namespace, root: Path) -> EvalPlan:
         if problem := chat_template_kwargs_problem(args.chat_template_kwargs):
             raise UserError(f"--chat-template-kwargs: {problem}")
         plan.chat_template_kwargs = args.chat_template_kwargs
+    if args.eval_timeout is not None:
+        plan.eval_timeout = args.eval_timeout
     return plan
 
 

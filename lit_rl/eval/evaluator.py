@@ -58,6 +58,27 @@ def metric_values(env: Environment, metrics) -> dict[str, float]:
     return out
 
 
+class EvalTimeout(TimeoutError):
+    """An eval that ran past the plan's `eval_timeout`: recorded as failed, and the evaluator goes on."""
+
+
+async def within_eval_timeout(evaluation, timeout: float | None):
+    """`await evaluation`, cancelled after `timeout` seconds (its requests in flight are aborted). Why: one
+    eval that never ends (a reward function waiting on a lock, a tool call that never answers) held the
+    evaluator for the rest of the run, so every later step went unevaluated and the trainer's wait for
+    the final eval ran out. An eval that blocks the event loop without awaiting cannot be cut short:
+    the timeout fires at its next `await`."""
+    deadline = asyncio.timeout(timeout)  # None: no limit
+    try:
+        async with deadline:
+            return await evaluation
+    except TimeoutError:
+        if not deadline.expired():
+            raise  # the eval's own, not the limit's
+        raise EvalTimeout(f"did not finish in {timeout:g} s (OnlineEval.eval_timeout, lit-rl evaluate "
+                          "--eval-timeout)") from None
+
+
 def newest_of_each(pending: dict[int, list[Environment]]) -> tuple[dict[int, list[Environment]], dict[int, list[Environment]]]:
     """Behind: each environment's newest pending step, and the base model (step 0), which is never
     skipped; the rest is skipped. Per environment: with `intervals`, the newest pending step may
@@ -251,7 +272,7 @@ class Evaluator:
     async def _evaluate_env(self, step: int, step_path: Path, env: Environment) -> None:
         run = EvalRun(step=step, step_dir=step_path, client=self.client, chat_template_kwargs=dict(self.plan.chat_template_kwargs))
         started = time.perf_counter()
-        metrics = metric_values(env, await env.evaluate(run))
+        metrics = metric_values(env, await within_eval_timeout(env.evaluate(run), self.plan.eval_timeout))
         out = {f"eval/{env.name}/{k}": v for k, v in metrics.items()}
         out[f"eval/{env.name}/policy_version"] = float(step)
         self.logger.log(step, out)

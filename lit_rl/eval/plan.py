@@ -30,6 +30,9 @@ class EvalPlan:
     # the chat template's variables the training data renders with (enable_thinking, ...): eval prompts
     # are rendered the same way, or a model trained without thinking would be evaluated thinking
     chat_template_kwargs: dict = field(default_factory=dict)
+    # seconds one environment's eval of one step may take; past it that eval is recorded as failed and
+    # the evaluator goes on (None: no limit). A plan.json written before it existed reads as the default.
+    eval_timeout: float | None = 1800.0
 
     def interval_of(self, name: str) -> int:
         return int(self.intervals.get(name, self.interval))
