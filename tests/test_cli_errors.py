@@ -169,6 +169,25 @@ def test_bad_sampling_options_are_named_by_their_flags_before_any_server(tmp_pat
     assert time.monotonic() - started < 60 and not (tmp_path / "run" / "vllm.log").exists()  # no server started
 
 
+def test_a_data_tokenizer_must_have_the_models_vocabulary(tmp_path, capsys):
+    """`data.tokenizer` names another tokenizer than the model's: a copy of the model's (same
+    vocabulary) trains; one with a token added (an id the tiny model's embeddings still hold, so
+    nothing else would fail) is refused before the model loads, naming the flag and the token."""
+    from transformers import AutoTokenizer
+
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(8))
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    tokenizer.save_pretrained(tmp_path / "copy")
+    tokenizer.add_tokens(["<lit_rl_extra>"])
+    tokenizer.save_pretrained(tmp_path / "extra")
+    cli.main(fit_args(tmp_path / "a", data, steps=1) + ["--data.init_args.tokenizer", str(tmp_path / "copy")])
+    assert (tmp_path / "a" / "run" / "checkpoints" / "last.ckpt").is_file()  # trained its step
+    err = user_error(fit_args(tmp_path / "b", data, steps=1) + ["--data.init_args.tokenizer", str(tmp_path / "extra")], capsys)
+    assert f"data.init_args.tokenizer {str(tmp_path / 'extra')!r} has another vocabulary than the model's tokenizer" in err, err
+    assert "the first '<lit_rl_extra>' = " in err and "in the data's" in err, err
+    assert not (tmp_path / "b" / "run" / "weights").exists()
+
+
 def test_unknown_command_suggests_the_closest(capsys):
     err = user_error(["fitt", "--config", CONFIG], capsys)
     assert "unknown command 'fitt' (did you mean 'fit'?)" in err

@@ -39,14 +39,43 @@ def layout_problems(packing: str, micro_batch_tokens: int, pack_length: int | No
 
 def resolve_tokenizer_name(data_module: L.LightningDataModule) -> str:
     """The data module's own `tokenizer_name`, else its trainer's lit-rl model's: shared by the
-    static and the rollout data modules."""
-    if data_module.tokenizer_name:
-        return data_module.tokenizer_name
+    static and the rollout data modules. A tokenizer of the data's own that is not the model's must
+    have the model's vocabulary (`check_same_vocabulary`)."""
     trainer = data_module.trainer
-    name = getattr(trainer.lightning_module if trainer is not None else None, "tokenizer_name", None)
+    module = trainer.lightning_module if trainer is not None else None
+    name = getattr(module, "tokenizer_name", None)
+    if data_module.tokenizer_name:
+        if name and name != data_module.tokenizer_name and not getattr(data_module, "_vocabulary_checked", False):
+            trust_model = bool(getattr(module, "trust_remote_code", False))  # the rollout data loads with the model's
+            check_same_vocabulary(data_module.tokenizer_name, name, trust_model=trust_model,
+                                  trust_data=bool(getattr(data_module, "trust_remote_code", trust_model)))
+            data_module._vocabulary_checked = True
+        return data_module.tokenizer_name
     if not name:
         raise ValueError(f"{type(data_module).__name__}: no tokenizer; set data.tokenizer or use a lit-rl model module")
     return name
+
+
+def check_same_vocabulary(data_tokenizer: str, model_tokenizer: str, trust_data: bool, trust_model: bool) -> None:
+    """Refuse a `data.tokenizer` whose vocabulary is not the model's: the data's token ids would be
+    read by the model as other tokens (or index past its embeddings) and it would train on garbage
+    without an error. Another tokenizer with the same vocabulary (another chat template, other
+    special-token names in its config) is what `data.tokenizer` is for, and passes."""
+    from lit_rl.model_names import load_tokenizer
+
+    data = load_tokenizer(data_tokenizer, trust_remote_code=trust_data).get_vocab()
+    model = load_tokenizer(model_tokenizer, trust_remote_code=trust_model).get_vocab()
+    if data == model:
+        return
+    differ = sorted(set(data.items()) ^ set(model.items()), key=lambda item: item[1])
+    token, index = differ[0]
+    where = "the data's" if data.get(token) == index else "the model's"
+    raise ConfigError(
+        f"data.init_args.tokenizer {data_tokenizer!r} has another vocabulary than the model's tokenizer "
+        f"{model_tokenizer!r} ({len(data)} and {len(model)} tokens; {len(differ)} (token, id) pairs are in one only, "
+        f"the first {token!r} = {index} in {where}): the data's token ids would mean other tokens to the model. "
+        "fix: leave data.tokenizer unset (the model's is used), or give one with the model's vocabulary"
+    )
 
 
 class StaticDataModule(L.LightningDataModule):
@@ -106,7 +135,8 @@ class StaticDataModule(L.LightningDataModule):
             num_workers: DataLoader worker processes that render the next steps. ``auto``: none
                 (render inline) when training on CPU with torch on every core, where a worker
                 would take a core from torch; otherwise 1 (lit_rl/data/workers.py).
-            tokenizer: tokenizer name or path; defaults to the model's.
+            tokenizer: tokenizer name or path; defaults to the model's. Another one (another chat
+                template) must have the model's vocabulary, or the run is refused before the model loads.
             trust_remote_code: allow tokenizer code from the hub. Off by default.
             chat_template_kwargs: extra variables for the chat template (e.g. enable_thinking).
         """

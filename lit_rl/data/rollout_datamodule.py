@@ -130,7 +130,8 @@ class RolloutDataModule(L.LightningDataModule):
             batch_timeout: seconds a step may wait for its batch before failing with the
                 rollouts' state.
             progress_every: print a rollout progress line every N steps (0: never).
-            tokenizer: tokenizer name or path; defaults to the model's.
+            tokenizer: tokenizer name or path; defaults to the model's. Another one (another chat
+                template) must have the model's vocabulary, or the run is refused before the model loads.
             chat_template_kwargs: extra variables for the chat template.
             source: who samples the completions: ``policy`` (the model being trained, through
                 its own server, synced after every step; GRPO, OPD) or ``teacher`` (the frozen
