@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from lit_rl.errors import ConfigError
 from lit_rl.lora import frozen_parameter_names, has_adapter, is_adapter_key
+from lit_rl.optim import regroup_single_group_state
 
 MODEL_KEY = "state_dict"  # where Lightning's sharded save puts the model's tensors
 
@@ -91,6 +92,7 @@ class ModelParallelStrategy(LightningModelParallelStrategy):
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):  # left in, as Lightning does
             # the positions count the optimizer's parameters group after group (lit_rl.optim.parameter_groups)
             order = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+            state = regroup_single_group_state(self.lightning_module, state)  # an earlier lit-rl's one group
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=_by_name(state, order), options=options)
         return checkpoint
 

@@ -87,6 +87,27 @@ def parameter_groups(module) -> list[dict]:
     return groups + ([{"params": undecayed, "weight_decay": 0.0}] if undecayed else [])
 
 
+def regroup_single_group_state(module, state: dict) -> dict:
+    """An optimizer state written before `parameter_groups` (one group, positions over the trained
+    parameters in the module's order), as the two groups' state: the same tensors' moments at
+    their new positions, the group's settings in both, `weight_decay` 0 in the second. Without it a
+    run resumed from such a checkpoint stopped at torch's "loaded state dict has a different number
+    of parameter groups". Any other state is returned as it is."""
+    if len(state.get("param_groups", ())) != 1:
+        return state
+    trained = [p for p in module.parameters() if p.requires_grad]
+    groups = parameter_groups(module)
+    if len(groups) != 2 or len(state["param_groups"][0]["params"]) != len(trained):
+        return state
+    position = {id(p): i for i, p in enumerate(p for group in groups for p in group["params"])}
+    new_of_old = [position[id(p)] for p in trained]
+    (old,) = state["param_groups"]
+    split = len(groups[0]["params"])
+    return {"state": {new_of_old[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**old, "params": list(range(split))},
+                             {**old, "weight_decay": 0.0, "params": list(range(split, len(trained)))}]}
+
+
 def scheduler_names() -> list[str]:
     from transformers.trainer_utils import SchedulerType
 

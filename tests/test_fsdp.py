@@ -150,15 +150,36 @@ def test_a_one_process_checkpoint_resumes_under_fsdp2_exactly(runs):
     """A one-process `last.ckpt` (one file, SGD's momentum for each parameter in the optimizer's two
     groups, lit_rl.optim.parameter_groups) resumed under FSDP2: the run goes on as the one-process
     run did. Lightning's own loading names the momentum buffers by `model.parameters()`' order, which
-    is not the groups' order: the norms' buffers would land on other tensors or refuse to load."""
+    is not the groups' order: the norms' buffers would land on other tensors or refuse to load. The
+    same checkpoint with the one group an earlier lit-rl wrote resumes the same way."""
     tmp, data = runs
-    cross = tmp / "cross"
+    cross, earlier = tmp / "cross", tmp / "cross_earlier"
     ok(fit(cross, data, 1))
-    ok(sharded(cross, data, 2, "--ckpt_path", "last"))
-    a, b = weights(tmp / "one", 2), weights(cross, 2)
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], atol=ATOL, rtol=0, msg=k)
+    # the same checkpoint as an earlier lit-rl wrote it: one group, positions in the model's order
+    checkpoint = torch.load(cross / "checkpoints" / "last.ckpt", weights_only=False)
+    (earlier / "checkpoints").mkdir(parents=True)
+    torch.save({**checkpoint, "optimizer_states": [one_group(checkpoint)]}, earlier / "checkpoints" / "last.ckpt")
+    for root in (cross, earlier):
+        ok(sharded(root, data, 2, "--ckpt_path", "last"))
+        a, b = weights(tmp / "one", 2), weights(root, 2)
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], atol=ATOL, rtol=0, msg=(root.name, k))
+
+
+def one_group(checkpoint: dict) -> dict:
+    """The optimizer state of `checkpoint` (lit_rl.optim.parameter_groups: matrices, then vectors) as
+    one group over the parameters in the model's order, as lit-rl wrote it before the two groups."""
+    seen, shapes = set(), []  # every parameter of the model trains here; the tied head is the embedding's
+    for tensor in checkpoint["state_dict"].values():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            shapes.append(tensor.shape)
+    order = [i for i, s in enumerate(shapes) if len(s) >= 2] + [i for i, s in enumerate(shapes) if len(s) < 2]
+    state = checkpoint["optimizer_states"][0]
+    group = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
+    return {"state": {order[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**group, "params": list(range(len(shapes)))}]}
 
 
 def test_grpo_under_fsdp2_with_a_real_server(vllm_server, tmp_path):

@@ -154,3 +154,28 @@ def test_the_tiny_models_undecayed_parameters_are_its_norms():
     assert {names[id(p)] for p in undecayed["params"]} == {n for n in names.values() if "norm" in n}
     assert any("embed_tokens" in names[id(p)] for p in decayed["params"])
     assert len(decayed["params"]) + len(undecayed["params"]) == len(names)
+
+
+def test_a_checkpoint_with_one_optimizer_group_resumes_into_the_two():
+    """A checkpoint of an earlier lit-rl holds AdamW's state of one group (positions over the trained
+    parameters in the model's order). `on_load_checkpoint` puts each tensor's moments at its position
+    in the two groups: torch then loads it (before: "a different number of parameter groups") and
+    every parameter gets its own moments back."""
+    module = SFT(model=TINY_MODEL, random_init=True, optimizer=lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.5))
+    module.configure_model()
+    trained = [p for p in module.parameters() if p.requires_grad]
+    earlier = torch.optim.AdamW(trained, lr=0.1, weight_decay=0.5)  # what configure_optimizers built before
+    for i, p in enumerate(trained):
+        p.grad = torch.full_like(p, float(i + 1))  # each tensor's moments tell it apart
+    earlier.step()
+    checkpoint = {"state_dict": module.state_dict(), "optimizer_states": [earlier.state_dict()]}
+    module.on_save_checkpoint(checkpoint)
+    optimizer = module.configure_optimizers()
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        optimizer.load_state_dict(checkpoint["optimizer_states"][0])
+    module.on_load_checkpoint(checkpoint)
+    optimizer.load_state_dict(checkpoint["optimizer_states"][0])
+    for p in trained:
+        torch.testing.assert_close(optimizer.state[p]["exp_avg"], earlier.state[p]["exp_avg"], atol=0, rtol=0)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.5, 0.0]
+    assert optimizer.param_groups[1]["lr"] == 0.1
