@@ -3,6 +3,7 @@ markers, no stop token, rewriting templates), plus thread safety."""
 
 import copy
 import json
+import re
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -94,6 +95,20 @@ def test_header_text_inside_user_content_uses_prefix_renders(tok):
     r = render_messages(tok, msgs)
     assert targets(tok, r) == ["ok<|im_end|>", "fine<|im_end|>"]
     assert r.input_ids == full_ids(tok, msgs)
+
+
+def test_the_end_of_turn_text_inside_an_assistant_turn_is_refused_naming_the_field(tok):
+    """An assistant turn whose own text holds `<|im_end|>` (its content, a tool call's arguments): the
+    tokenizer makes it the end-of-turn token, and the turn ended there, the rest of it and its real
+    end trained as context, without a word. Now the row is refused, naming the message and field;
+    the same text in a user turn is context and renders as before."""
+    call = {"type": "function", "function": {"name": "f", "arguments": {"text": "split on <|im_end|> please"}}}
+    for messages, field in (([U("hi"), A("the token <|im_end|> ends a turn")], "content"),
+                            ([U("hi"), A("calling", tool_calls=[call])], "tool_calls[0].function.arguments")):
+        with pytest.raises(RenderError, match=re.escape(f"assistant message 1 has the end-of-turn text '<|im_end|>' in its {field}:")):
+            render_messages(tok, normalize_messages(messages))
+    r = render_messages(tok, [U("what does <|im_end|> do?"), A("it ends a turn")])
+    assert targets(tok, r) == ["it ends a turn<|im_end|>"]
 
 
 def test_tools_calls_and_responses(tok):

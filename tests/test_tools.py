@@ -110,3 +110,14 @@ def test_messages_normalised():
 def test_bad_messages(bad, match):
     with pytest.raises(ValueError, match=match):
         normalize_messages(bad)
+
+
+def test_an_empty_tool_calls_list_on_any_message_is_dropped():
+    """Exports that write `"tool_calls": []` (or null) on every message: the user's and the tool's are
+    read as having none (they were refused, "only assistant messages may have tool_calls", so every
+    row of such a file was), and a non-empty list there is still refused."""
+    out = normalize_messages([{"role": "user", "content": "hi", "tool_calls": []},
+                              {"role": "assistant", "content": "a", "tool_calls": []},
+                              {"role": "user", "content": "more", "tool_calls": None}])
+    assert out == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
+                   {"role": "user", "content": "more"}]

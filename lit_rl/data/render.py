@@ -216,6 +216,21 @@ def _turn_starts(full: str, messages: list[dict], asst: list[int], probe: _Probe
     return starts
 
 
+def _holding(message, text: str, where: str = "") -> str | None:
+    """The first field of `message` (content, reasoning, a tool call's arguments...) whose string holds
+    `text`, named as a path (``tool_calls[0].function.arguments``); None if none does."""
+    if isinstance(message, str):
+        return where or "content" if text in message else None
+    items = message.items() if isinstance(message, dict) else enumerate(message) if isinstance(message, (list, tuple)) else ()
+    for key, value in items:
+        if key == "role":
+            continue
+        path = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else str(key)
+        if found := _holding(value, text, path):
+            return found
+    return None
+
+
 def _turn_ends(full, messages, asst, starts, probe, render) -> list[int]:
     """Character offset in ``full`` where each trained span ends (after the stop text if any)."""
     ends = []
@@ -224,6 +239,12 @@ def _turn_ends(full, messages, asst, starts, probe, render) -> list[int]:
         r = render(messages[: i + 1])
         is_prefix = full.startswith(r)
         if probe.stop is not None:
+            if field := _holding(messages[i], probe.stop):
+                raise RenderError(
+                    f"assistant message {i} has the end-of-turn text {probe.stop!r} in its {field}: the tokenizer "
+                    "reads it as the turn's end, so the turn would be trained to stop there and the rest of it "
+                    "would not be trained; remove the text from the row, or skip such rows (bad_rows)"
+                )
             pos = full.find(probe.stop, start)
             end = pos + len(probe.stop)
             if pos < 0 or end > limit or (is_prefix and end > len(r)):

@@ -156,6 +156,8 @@ def normalize_messages(messages: Any) -> list[dict]:
             content = msg["content"] = _join_text_parts(content, f"message {i} ({role})")
         if content is not None and not isinstance(content, str):
             raise ValueError(f"message {i} ({role}): content must be a string or a list of parts, got {content!r}")
+        if "tool_calls" in msg and role != "assistant" and msg["tool_calls"] in (None, [], ()):
+            del msg["tool_calls"]  # an export that writes an empty list on every message
         if "tool_calls" in msg:
             if role != "assistant":
                 raise ValueError(f"message {i} ({role}): only assistant messages may have tool_calls")
