@@ -103,6 +103,29 @@ def test_an_evaluator_that_exits_is_started_again_until_no_restart_is_left(tmp_p
     assert runtime.finish_evaluator(5) == 3 and runtime.evaluator is None
 
 
+def test_an_eval_row_cut_short_is_never_read_and_the_next_one_is(tmp_path):
+    """A row of eval_metrics.csv cut short (a full disk while it was appended; the evaluator goes on):
+    the next row was appended onto it, read as one made-up row (0.7 and a lost step 20) or one that
+    stopped `lit-rl report` (a name where the value goes). Now the next row starts its own line and the
+    cut one is not read. A file left empty gets its header."""
+    from lit_rl.eval.logging import EvalLogger
+
+    for torn in ("10,eval/rt/reward,0.7", "10,eval/rt/rew"):
+        root = tmp_path / torn.replace("/", "_")
+        logger = EvalLogger(root)
+        logger.log(0, {"eval/rt/reward": 0.25})
+        with open(root / "eval_metrics.csv", "a") as f:
+            f.write(torn)  # the write of step 10's row stopped there
+        logger.log(20, {"eval/rt/reward": 0.5})
+        assert read_eval_metrics(root) == [{"step": 0, "name": "eval/rt/reward", "value": 0.25},
+                                           {"step": 20, "name": "eval/rt/reward", "value": 0.5}]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "eval_metrics.csv").write_text("")
+    EvalLogger(empty).log(5, {"eval/rt/reward": 1.0})
+    assert read_eval_metrics(empty) == [{"step": 5, "name": "eval/rt/reward", "value": 1.0}]
+
+
 def test_done_log_survives_restart_and_forgets_the_future(tmp_path):
     log = DoneLog(tmp_path)
     log.record(0, "a", "ok")

@@ -35,10 +35,13 @@ class EvalLogger:
                           wandb_run.get("id"), type(e).__name__, e, self.path)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        new = not self.path.exists()
+        size = self.path.stat().st_size if self.path.exists() else 0
+        torn = size > 0 and _last_byte(self.path) != b"\n"  # a row cut short (a full disk): it stays alone on its line
         with open(self.path, "a", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=FIELDS)
-            if new:
+            if torn:
+                f.write("\n")
+            if size == 0:  # also a file left empty: without the header no row of it could be read
                 writer.writeheader()
             now = time.time()
             for name, value in metrics.items():
@@ -63,6 +66,21 @@ def appended_rows(path: str | Path) -> list[dict]:
     return list(csv.DictReader(io.StringIO(text[: text.rfind("\n") + 1])))
 
 
+def _last_byte(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(-1, io.SEEK_END)
+        return f.read(1)
+
+
 def read_eval_metrics(log_dir: str | Path) -> list[dict]:
-    return [{"step": int(r["step"]), "name": r["name"], "value": float(r["value"])}
-            for r in appended_rows(Path(log_dir) / "eval_metrics.csv")]
+    """The rows of `eval_metrics.csv`, less those cut short: a row is whole when its last field
+    (`time`) is there, so a value cut to fewer digits (0.72 written as 0.7) is never read as a
+    measurement, and a row cut inside its name does not stop `lit-rl report`."""
+    rows = []
+    for r in appended_rows(Path(log_dir) / "eval_metrics.csv"):
+        try:
+            if r.get("time"):
+                rows.append({"step": int(r["step"]), "name": r["name"], "value": float(r["value"])})
+        except (TypeError, ValueError):
+            continue
+    return rows
