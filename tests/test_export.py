@@ -93,6 +93,16 @@ def test_keep_last_spares_leased_steps_and_fresh_run_cleans_up(tmp_path):
     assert sorted(stable_steps(root)) == [1, 2] and not unfinished(root)
 
 
+def test_one_hfexport_in_two_fits_exports_each_runs_last_step(tmp_path):
+    """The same callback object in a second `fit` (a notebook, a sweep reusing its callbacks): the
+    fresh run removes the first run's step 2 and must write its own. It remembered having exported
+    step 2 and skipped it: the second run ended with no export at all."""
+    export = HFExport()
+    for _ in range(2):
+        _, root = train(tmp_path, 2, [export])
+        assert sorted(stable_steps(root)) == [2]
+
+
 class SyncEveryStep(L.Callback):
     """What InferenceRuntime does after each step of an RL run: `sync_export` of the run's exporter,
     here one that is not itself a callback (the runtime's default HFExport)."""

@@ -81,7 +81,7 @@ class HFExport(L.Callback):
         self._step_files: StepFiles | None | bool = None  # learnt at the run's first export; False: keep the general path
 
     def _tokenizer(self, pl_module):
-        """Loaded once per run: every export writes the same tokenizer files."""
+        """Loaded once per run (`prepare_run` forgets it): every export of a run writes the same tokenizer files."""
         if self._loaded_tokenizer is None:
             self._loaded_tokenizer = load_tokenizer(pl_module.tokenizer_name, trust_remote_code=pl_module.trust_remote_code)
         return self._loaded_tokenizer
@@ -98,7 +98,11 @@ class HFExport(L.Callback):
         if self._prepared_for is trainer:
             return
         self._prepared_for = trainer
-        self._step_files = None  # learnt again: the module may differ from the last run's
+        # learnt again: the module (its tokenizer, its tensors) may differ from the last run's, and a step
+        # number the last run exported says nothing of this run's (a second fit with the same callbacks)
+        self._step_files = None
+        self._loaded_tokenizer = None
+        self.last_exported = None
         root = Path(trainer.default_root_dir)
         resumed = trainer.ckpt_path is not None
         if trainer.is_global_zero:
