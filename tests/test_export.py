@@ -103,6 +103,21 @@ def test_one_hfexport_in_two_fits_exports_each_runs_last_step(tmp_path):
         assert sorted(stable_steps(root)) == [2]
 
 
+def test_a_fresh_run_removes_the_evals_of_the_earlier_runs_weights(tmp_path):
+    """`lit-rl evaluate` on a run (no OnlineEval), then a fresh run in the same directory: its
+    records and metrics described weights the fresh run removed. They stayed: `lit-rl report` drew
+    the old eval beside the new loss, and `lit-rl evaluate` took step 2 for done."""
+    from lit_rl.eval.logging import EvalLogger, read_eval_metrics
+    from lit_rl.eval.plan import DoneLog
+
+    _, root = train(tmp_path, 2, [HFExport()])
+    DoneLog(root).record(2, "rt", "ok")
+    EvalLogger(root / "evals").log(2, {"eval/rt/reward": 0.9})
+    _, root = train(tmp_path, 2, [HFExport()])
+    assert DoneLog(root).entries == {} and read_eval_metrics(root / "evals") == []
+    assert sorted(stable_steps(root)) == [2]
+
+
 class SyncEveryStep(L.Callback):
     """What InferenceRuntime does after each step of an RL run: `sync_export` of the run's exporter,
     here one that is not itself a callback (the runtime's default HFExport)."""

@@ -37,6 +37,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_rl.callbacks.step_files import StepFiles, learn_step_files
+from lit_rl.eval.plan import DoneLog, evals_dir
 from lit_rl.lora import adapter_state, base_state, has_adapter, merged_state, unties, write_adapter
 from lit_rl.model_names import load_tokenizer
 from lit_rl.modules.model_loading import resolve_dtype
@@ -48,6 +49,19 @@ log = logging.getLogger(__name__)
 
 class ExportError(OSError):
     """Writing a step directory failed (disk full, unwritable directory); earlier steps are intact."""
+
+
+def forget_evals(root: Path, resumed_at: int | None) -> None:
+    """The evals of weights this run removes (those of `lit-rl evaluate` and of OnlineEval alike): a
+    fresh run removes `evals/`, whose metrics and records describe the earlier run's checkpoints (`lit-rl
+    report` drew them beside the new run's loss, and `lit-rl evaluate` took their steps for done); a
+    resume forgets the records past its step, which a discarded future wrote."""
+    if resumed_at is None:
+        if evals_dir(root).is_dir():
+            shutil.rmtree(evals_dir(root), ignore_errors=True)
+            rank_zero_info(f"HFExport: removed {evals_dir(root).relative_to(root)}/ of an earlier run (fresh start)")
+    else:
+        DoneLog(root).forget_after(resumed_at)
 
 
 class HFExport(L.Callback):
@@ -116,6 +130,7 @@ class HFExport(L.Callback):
                 why = f"past the resume step {trainer.global_step}" if resumed else "from an earlier run (fresh start)"
                 names = ", ".join(str(p.relative_to(root)) for p in stale)
                 rank_zero_info(f"HFExport: removed {len(stale)} exported step(s) {why}: {names}")
+            forget_evals(root, None if not resumed else trainer.global_step)
         trainer.strategy.barrier("hf_export_start")
         if trainer.global_step in stable_steps(root):
             self.last_exported = trainer.global_step  # resumed exactly at an exported step

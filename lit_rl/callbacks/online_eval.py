@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -150,13 +149,9 @@ class OnlineEval(L.Callback):
             raise ValueError("OnlineEval needs an HFExport callback in trainer.callbacks (it writes the checkpoints evaluated)")
         self.export = exports[0]
         root = Path(trainer.default_root_dir)
-        self.export.prepare_run(trainer)
+        self.export.prepare_run(trainer)  # evals/ too: a fresh run's holds none of an earlier run's (forget_evals)
         self.export.register(self)
         if trainer.is_global_zero:
-            if trainer.ckpt_path is None:
-                shutil.rmtree(evals_dir(root), ignore_errors=True)  # a fresh run: old evals describe other weights
-            else:
-                DoneLog(root).forget_after(trainer.global_step)
             clear_final_step(root)
             self.plan.chat_template_kwargs = dict(self.chat_template_kwargs if self.chat_template_kwargs is not None
                                                   else getattr(trainer.datamodule, "chat_template_kwargs", None) or {})
