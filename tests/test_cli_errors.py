@@ -150,6 +150,22 @@ def test_grpo_options_that_would_do_nothing_are_refused(tmp_path, capsys):
            "are limited by data.init_args.max_tokens" in err, err
 
 
+def test_opd_options_its_divergence_does_not_use_are_refused(tmp_path, capsys):
+    """OPD's options belong to some divergences only (jsd's beta, the sampled-token estimator's weight,
+    baseline and clip, a teacher server's top k): set for another, they changed nothing, silently."""
+    opd = ["fit", "--config", str(REPO / "examples" / "reverse_text" / "opd.yaml"), "--model.init_args.model", TINY_MODEL,
+           "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.max_steps", "0"]
+    err = user_error([*opd, "--model.init_args.divergence", "reverse_kl", "--model.init_args.beta", "0.2",
+                      "--model.init_args.advantage_clip", "0.5"], capsys)
+    assert "beta 0.2 does nothing with divergence 'reverse_kl': it is jsd's mixture weight" in err, err
+    assert "advantage_clip 0.5 does nothing with divergence 'reverse_kl': the dense divergence 'reverse_kl' has no " \
+           "sampled-token advantage" in err, err
+    err = user_error([*opd, "--model.init_args.divergence", "sampled_reverse_kl", "--model.init_args.teacher_top_k", "5"],
+                     capsys)
+    assert "teacher_top_k 5 does nothing with divergence 'sampled_reverse_kl'" in err, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_bad_sampling_options_are_named_by_their_flags_before_any_server(tmp_path, capsys):
     """Named as the config spells them (data.temperature), not as a TrainSampling's fields; a top_k
     vLLM refuses was found only at the first request (or, with a processed distribution, was a

@@ -42,10 +42,29 @@ import torch
 
 from lit_rl.chunked_head import selected_divergence_sum, selected_topk_divergence_sum
 from lit_rl.errors import ConfigError
-from lit_rl.losses import (OPD_METRICS, check_advantage_options, check_behaviour_options, check_divergence_options,
+from lit_rl.losses import (DENSE_DIVERGENCES, OPD_METRICS, check_advantage_options, check_behaviour_options, check_divergence_options,
                            distillation_advantage, divergence_beta, opd_loss_sums, token_divergence, topk_bins)
 from lit_rl.modules.base import CausalLMModule
 from lit_rl.modules.model_loading import load_causal_lm
+
+
+def ignored_option_problems(divergence: str, teacher_model: str | None, **given) -> list[str]:
+    """The options `divergence` (with or without an in-process teacher) does not use, set to another
+    value than their default: a user tuning one of them would see nothing change. `beta` is `jsd`'s;
+    the behaviour weight and the advantage's baseline and clip are the sampled-token estimator's;
+    `teacher_top_k` is what a teacher server returns for a dense divergence."""
+    import inspect
+
+    defaults = {name: p.default for name, p in inspect.signature(OPD.__init__).parameters.items()}
+    unused = {"teacher_top_k": "it is how many tokens a teacher server returns for a dense divergence"}
+    if divergence in DENSE_DIVERGENCES:
+        unused = {} if teacher_model is None else {"teacher_top_k": "model.teacher_model gives the whole distribution"}
+        unused |= {name: f"the dense divergence {divergence!r} has no sampled-token advantage"
+                   for name in ("is_correction", "is_cap", "advantage_baseline", "advantage_clip", "log_entropy")}
+    if divergence != "jsd":
+        unused["beta"] = "it is jsd's mixture weight"
+    return [f"{name} {given[name]!r} does nothing with divergence {divergence!r}: {why}; leave it out"
+            for name, why in unused.items() if name in given and given[name] != defaults[name]]
 
 
 IN_PROCESS_TEACHER_LOGPROBS = "in_process_teacher_logprobs"  # where a micro-batch keeps them within a step
@@ -116,6 +135,10 @@ class OPD(CausalLMModule):
         if reward_weight and divergence != "sampled_reverse_kl":
             problems.append(f"reward_weight mixes a reward into the sampled-token advantage; divergence {divergence!r} "
                             "has none (use divergence 'sampled_reverse_kl' or reward_weight 0)")
+        problems += ignored_option_problems(divergence, teacher_model, beta=beta, teacher_top_k=teacher_top_k,
+                                            is_correction=is_correction, is_cap=is_cap,
+                                            advantage_baseline=advantage_baseline, advantage_clip=advantage_clip,
+                                            log_entropy=log_entropy)
         if problems:
             raise ValueError("OPD: " + "; ".join(problems))
         self.divergence, self.beta, self.teacher_model, self.teacher_top_k = divergence, beta, teacher_model, teacher_top_k
