@@ -14,7 +14,7 @@ from lightning.pytorch import Callback, LightningDataModule
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_rl import stopping
@@ -170,22 +170,32 @@ class LitRLCLI(LightningCLI):
         return super()._instantiate_trainer(config, callbacks)
 
 
+SAVED_CONFIG_MARK = "# lit-rl: this launch's resolved config (replaced by the next launch into this run directory)"
+
+
 class SaveRunConfig(SaveConfigCallback):
     """The launch's config, saved inside the run directory whatever the logger. Lightning saves it in
     `trainer.log_dir`: `logs/version_N` for its CSV and TensorBoard loggers, but any other logger's
-    `save_dir`, which for W&B is the working directory by default, where `config.yaml` is often the
-    user's own config, replaced without a word (overwrite is on, so that a rerun can start). There
-    it goes to `<run dir>/config.yaml` instead, replaced by each launch."""
+    `save_dir`, which for W&B is the working directory by default, and with no logger
+    (`trainer.logger: false`) `default_root_dir`, the working directory when unset: where `config.yaml`
+    is often the user's own config, replaced without a word (overwrite is on, so that a rerun can
+    start). There it goes to `<run dir>/config.yaml` instead, marked as lit-rl's on its first line and
+    replaced by each launch; a `config.yaml` there without the mark (the user's own, when the run
+    directory is the working directory) is left as it is, and the config goes to `run_config.yaml`."""
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         logger = trainer.loggers[0] if trainer.loggers else None
-        if self.already_saved or logger is None or isinstance(logger, (CSVLogger, TensorBoardLogger)):
-            return super().setup(trainer, pl_module, stage)  # logs/version_N, or the run directory itself
+        if self.already_saved or isinstance(logger, (CSVLogger, TensorBoardLogger)):
+            return super().setup(trainer, pl_module, stage)  # logs/version_N
         if trainer.is_global_zero:
             root = Path(trainer.default_root_dir)
             root.mkdir(parents=True, exist_ok=True)
-            self.parser.save(self.config, str(root / self.config_filename), skip_none=False, overwrite=True,
-                             multifile=self.multifile)
+            path = root / self.config_filename
+            if path.exists() and not path.read_text(errors="replace").startswith(SAVED_CONFIG_MARK):
+                path = root / f"run_{self.config_filename}"
+                rank_zero_warn(f"{root / self.config_filename} is not a config lit-rl saved (your own?): left as it "
+                               f"is; this launch's config is in {path}")
+            path.write_text(SAVED_CONFIG_MARK + "\n" + self.parser.dump(self.config, skip_none=False))
             self.save_config(trainer, pl_module, stage)
             self.already_saved = True
         self.already_saved = trainer.strategy.broadcast(self.already_saved)

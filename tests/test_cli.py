@@ -93,6 +93,26 @@ def test_with_a_wandb_logger_the_config_is_saved_in_the_run_not_over_the_users_o
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["trainer"]["max_steps"] == 1
 
 
+def test_without_a_logger_the_config_saved_in_the_run_directory_never_replaces_the_users(tmp_path, lit_rl_main):
+    """`trainer.logger: false` saved the config in `default_root_dir` (the working directory when
+    unset), over the user's own `config.yaml` there. Now a `config.yaml` lit-rl did not save is kept
+    (the launch's goes to `run_config.yaml`), and the one it saved is replaced by the next launch."""
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(16))
+    users = tmp_path / "project"
+    users.mkdir()
+    (users / "config.yaml").write_text("# my config, with my notes\n")
+    no_logger = ["--trainer.logger", "false", "--trainer.max_steps", "1"]
+    code, _, stderr = lit_rl_main(fit_args(tmp_path, data) + ["--trainer.default_root_dir", str(users), *no_logger])
+    assert code == 0, stderr[-3000:]
+    assert (users / "config.yaml").read_text() == "# my config, with my notes\n"
+    assert yaml.safe_load((users / "run_config.yaml").read_text())["trainer"]["max_steps"] == 1
+    for steps in ("1", "2"):  # into a directory of its own: config.yaml, replaced by the next launch
+        code, _, stderr = lit_rl_main(fit_args(tmp_path, data) + [*no_logger, "--trainer.max_steps", steps])
+        assert code == 0, stderr[-3000:]
+        assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["trainer"]["max_steps"] == int(steps)
+    assert not (tmp_path / "run" / "run_config.yaml").exists()
+
+
 def test_validate_reports_val_loss(tmp_path, lit_rl_main):
     data = write_jsonl(tmp_path / "val.jsonl", reverse_rows(12))
     code, stdout, stderr = lit_rl_main(["validate", "--config", CONFIG, "--data.init_args.path", data, "--data.init_args.val_path",
