@@ -65,6 +65,22 @@ def test_missing_column(tmp_path, capsys):
     assert not (tmp_path / "fresh" / "run" / "logs").exists()
 
 
+def test_a_bad_held_out_row_is_one_message_naming_the_validation_data(tmp_path, capsys):
+    """A held-out row with no assistant token within max_length: Lightning's sanity check (before
+    training) stopped with a traceback, and "row 3" read as the training data's. Now one message
+    names the validation file; a max_length that no row can fit is refused with the options."""
+    train = write_jsonl(tmp_path / "train.jsonl", reverse_rows(16))
+    rows = reverse_rows(4, offset=100)
+    rows[3]["messages"][0]["content"] = "word " * 200  # the prompt alone is longer than max_length
+    val = write_jsonl(tmp_path / "val.jsonl", rows)
+    args = fit_args(tmp_path, train, steps=1) + ["--data.init_args.val_path", val, "--data.init_args.max_length", "128"]
+    err = user_error(args, capsys)
+    assert f"error: validation data ({val}): row 3: no assistant token to train on within max_length=128 " \
+           "(set data bad_rows: skip to skip such rows)" in err, err
+    err = user_error(fit_args(tmp_path, train, steps=1) + ["--data.init_args.max_length=-5"], capsys)
+    assert "data.max_length must be >= 2 tokens, got -5" in err, err
+
+
 def test_a_row_that_is_not_json_is_named(tmp_path, capsys):
     """datasets says only "An error occurred while generating the dataset"; the row is in its cause."""
     good = write_jsonl(tmp_path / "good.jsonl", reverse_rows(2))

@@ -171,6 +171,8 @@ class StaticDataModule(L.LightningDataModule):
             problems.append(f"data.bad_rows must be one of {BAD_ROW_POLICIES}, got {self.bad_rows!r}")
         if self.batch_size < 1:
             problems.append(f"data.batch_size must be >= 1, got {self.batch_size}")
+        if self.max_length < 2:  # a prompt token and a trained one at least
+            problems.append(f"data.max_length must be >= 2 tokens, got {self.max_length}")
         if self.max_length > self.micro_batch_tokens:
             problems.append(
                 f"data.max_length ({self.max_length}) exceeds data.micro_batch_tokens ({self.micro_batch_tokens}): "
@@ -216,11 +218,12 @@ class StaticDataModule(L.LightningDataModule):
             problems.append(f"train data has {len(train.rows)} rows, fewer than data.batch_size ({self.batch_size})")
         if problems:
             raise ValueError("StaticDataModule: " + str(len(problems)) + " problem(s):\n  - " + "\n  - ".join(problems))
-        make = lambda r: StepDataset(  # noqa: E731
-            r, micro_batch_tokens=self.micro_batch_tokens, packing=self.packing, pack_length=self.pack_length, bad_rows=self.bad_rows
+        make = lambda r, what: StepDataset(  # noqa: E731
+            r, micro_batch_tokens=self.micro_batch_tokens, packing=self.packing, pack_length=self.pack_length,
+            bad_rows=self.bad_rows, what=what,
         )
-        self._train = make(train) if train is not None else None
-        self._val = make(val) if val is not None else None
+        self._train = make(train, f"train data ({self.path})") if train is not None else None
+        self._val = make(val, f"validation data ({val_source})") if val is not None else None
         if train is not None:
             rank_zero_info(f"train data: {len(train.rows)} rows ({train.row_format}) from {self.path}")
 

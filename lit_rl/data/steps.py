@@ -18,13 +18,15 @@ from lit_rl.data.rows import RowError, chat_from_row, completion_start, detect_f
 from lit_rl.data.samples import Sample
 from lit_rl.data.sources import open_split
 from lit_rl.data.step_builder import build_step
+from lit_rl.errors import UserError
 from lit_rl.model_names import load_tokenizer
 
 log = logging.getLogger(__name__)
 
 
-class BadRowError(ValueError):
-    """A row that cannot be trained on; the message names its index and column."""
+class BadRowError(UserError, ValueError):
+    """A row that cannot be trained on; the message names its data (once it reaches `StepDataset`),
+    its index and column. A user error: `lit-rl` prints the message, not a traceback."""
 
 
 class RowRenderer:
@@ -121,9 +123,12 @@ def open_row_renderer(
 
 
 class StepDataset(torch.utils.data.Dataset):
-    def __init__(self, renderer: RowRenderer, *, micro_batch_tokens: int, packing: str, pack_length: int | None, bad_rows: str):
+    def __init__(self, renderer: RowRenderer, *, micro_batch_tokens: int, packing: str, pack_length: int | None, bad_rows: str,
+                 what: str = "data"):
+        """`what` names the data in a bad row's error (``validation data (held_out.jsonl)``): "row 5" alone
+        read as the training data's row 5."""
         self.renderer, self.micro_batch_tokens, self.packing = renderer, micro_batch_tokens, packing
-        self.pack_length, self.bad_rows = pack_length, bad_rows
+        self.pack_length, self.bad_rows, self.what = pack_length, bad_rows, what
 
     def __getitem__(self, item: tuple[int, int, list[int]]) -> dict:
         epoch, rows_done, indices = item
@@ -133,9 +138,9 @@ class StepDataset(torch.utils.data.Dataset):
                 samples.append(self.renderer.sample(index))
             except BadRowError as e:
                 if self.bad_rows != "skip":
-                    raise BadRowError(f"{e} (set data bad_rows: skip to skip such rows)") from e
+                    raise BadRowError(f"{self.what}: {e} (set data bad_rows: skip to skip such rows)") from e
                 skipped += 1
-                log.warning("skipping %s", e)
+                log.warning("skipping %s: %s", self.what, e)
         built = build_step(samples, micro_batch_tokens=self.micro_batch_tokens, packing=self.packing, pack_length=self.pack_length)
         stats = {**built["stats"], "skipped_rows": float(skipped)}
         return {"micro_batches": built["micro_batches"], "stats": stats, "position": (epoch, rows_done)}
