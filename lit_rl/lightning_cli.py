@@ -118,23 +118,31 @@ class LitRLCLI(LightningCLI):
         and the fresh start then replaces the run it was meant to resume (HFExport removes its
         exported weights): refused, before anything is written, when the run directory holds an
         earlier run. A requeue script passes `last` to every launch of a job, the first one
-        included: into a run directory without one, it starts fresh."""
+        included: into a run directory without one, it starts fresh. `validate` (and Lightning's other
+        commands) has nothing to start: without a checkpoint it would run the untrained model, refused."""
         config = self.config_init[subcommand]
         if config.get("ckpt_path") != "last" or last_checkpoints(self.trainer):
             return
         root = self.trainer.default_root_dir
+        if subcommand != "fit":  # validate, test, predict: the model as built (untrained) is not what was asked
+            raise UserError(f"--ckpt_path last found no checkpoint in the run directory {root} "
+                            f"({self._where_checkpoints_go()}): `lit-rl {subcommand}` would run the model the config "
+                            f"builds, untrained. fix: give the checkpoint with --ckpt_path PATH, or the run's "
+                            "--trainer.default_root_dir")
         earlier = earlier_run(root)
         if earlier:
-            callbacks = [c for c in self.trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
-            none = (f"none in {', '.join(str(c.dirpath) for c in callbacks)}" if callbacks else
-                    "this config writes none: trainer.enable_checkpointing is false")
-            raise UserError(f"--ckpt_path last found no checkpoint to resume ({none}), but the run directory "
+            raise UserError(f"--ckpt_path last found no checkpoint to resume ({self._where_checkpoints_go()}), but the run directory "
                             f"{root} holds an earlier run ({'; '.join(earlier)}); starting from step 0 would replace "
                             "it, its exported weights included. fix: give the checkpoint to resume with --ckpt_path "
                             "PATH; or leave out --ckpt_path to start a fresh run that replaces it; or set "
                             "--trainer.default_root_dir to another directory")
         rank_zero_info(f"--ckpt_path last: no checkpoint yet in the run directory {root}: starting from step 0")
         config["ckpt_path"] = None  # Lightning's warning about it would advise `ModelCheckpoint(save_last=True)`
+
+    def _where_checkpoints_go(self) -> str:
+        callbacks = [c for c in self.trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+        return (f"none in {', '.join(str(c.dirpath) for c in callbacks)}" if callbacks else
+                "this config writes none: trainer.enable_checkpointing is false")
 
     def _refuse_unreadable_checkpoint(self, e: BaseException) -> None:
         """torch's error on a checkpoint file cut short (a full disk, a copy that stopped) is a

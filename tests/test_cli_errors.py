@@ -65,6 +65,17 @@ def test_missing_column(tmp_path, capsys):
     assert not (tmp_path / "fresh" / "run" / "logs").exists()
 
 
+def test_validate_with_ckpt_path_last_and_no_checkpoint_is_refused(tmp_path, capsys):
+    """`lit-rl validate --ckpt_path last` in a run directory without a checkpoint took fit's rule
+    ("starting from step 0") and reported the loss of the untrained model the config builds."""
+    data = write_jsonl(tmp_path / "val.jsonl", reverse_rows(8))
+    err = user_error(["validate", "--config", CONFIG, "--data.init_args.path", data, "--data.init_args.val_path", data,
+                      "--data.init_args.num_workers", "0", "--trainer.default_root_dir", str(tmp_path / "run"),
+                      "--ckpt_path", "last"], capsys)
+    assert f"--ckpt_path last found no checkpoint in the run directory {tmp_path / 'run'} (none in " in err, err
+    assert "`lit-rl validate` would run the model the config builds, untrained" in err, err
+
+
 def test_a_bad_held_out_row_is_one_message_naming_the_validation_data(tmp_path, capsys):
     """A held-out row with no assistant token within max_length: Lightning's sanity check (before
     training) stopped with a traceback, and "row 3" read as the training data's. Now one message
