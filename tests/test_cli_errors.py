@@ -548,7 +548,13 @@ def test_serve_names_the_flag_of_a_value_the_server_refuses(capsys):
                         (["--dtype", "bf16"], "--dtype must be one of auto, bfloat16, float16, float32, half, float, "
                                               "got 'bf16'"),
                         (["--max-model-len", "0"], "--max-model-len must be >= 1 (None: the checkpoint's own), got 0"),
-                        (["--generation-config", "nope"], "--generation-config must be vllm, auto or a directory"),
+                        (["--generation-config", "nope"], "--generation-config must be vllm, auto or a directory "
+                                                          "with a generation_config.json, got 'nope'"),
+                        # the flags' names inside other words stay as they are
+                        (["--no-dev-mode", "--", "--logprobs-mode", "raw_logprobs"],
+                         "the options passed on to vLLM must not set --logprobs-mode: lit-rl passes it to vLLM itself, "
+                         "and the last one given wins, unchecked; lit-rl's servers always use processed_logprobs, the "
+                         "log-probabilities the trainer computes"),
                         (["--startup-timeout", "-5"], "--startup-timeout must be > 0 seconds, got -5.0"),
                         (["--", "--host", "0.0.0.0"], ("the options passed on to vLLM must not set --host: lit-rl "
                                                        "passes it to vLLM itself, and the last one given wins, "

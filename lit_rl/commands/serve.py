@@ -53,7 +53,8 @@ def flag_names(message: str, options: Iterable[str]) -> str:
     the name of the parameter it sets, with dashes (`tensor_parallel_size` -> `--tensor-parallel-size`),
     and `extra_args` are the options this command passes on to vLLM."""
     names = "|".join(sorted(options, key=len, reverse=True))
-    message = re.sub(rf"(?<![-\w.])({names})\b", lambda m: "--" + m[1].replace("_", "-"), message)
+    # a whole word only: not the `log` of "log-probabilities" nor the `generation_config` of "generation_config.json"
+    message = re.sub(rf"(?<![-\w.])({names})(?![-.\w])", lambda m: "--" + m[1].replace("_", "-"), message)
     return message.replace("extra_args", "the options passed on to vLLM")
 
 
