@@ -85,6 +85,11 @@ def test_other_folders_under_logs_are_ignored_and_out_goes_where_asked(tmp_path,
     out = tmp_path / "plots" / "today" / "curves.png"
     main([str(run), "--out", str(out)])
     assert out.stat().st_size > 10_000 and f"wrote {out}" in capsys.readouterr().out
+    # without a suffix: a PNG, and the path printed is the file written (it said `curves`, wrote curves.png)
+    main([str(run), "--out", str(tmp_path / "curves")])
+    assert (tmp_path / "curves.png").is_file() and f"wrote {tmp_path / 'curves.png'} " in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"--out .*o\.xyz: matplotlib cannot write '\.xyz' files; give one of .*\.png"):
+        main([str(run), "--out", str(tmp_path / "o.xyz")])  # a traceback from inside matplotlib
 
 
 @pytest.mark.parametrize("cut", ["0,3,1e-", "0,3,0.1"])  # of "0,3,1e-05", "0,3,0.125"

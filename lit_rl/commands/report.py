@@ -99,6 +99,25 @@ def checkpoint_step(path: Path, written_before: Path) -> int | None:
         return None
 
 
+def out_path(given: str) -> Path:
+    """`--out` as the file matplotlib will write: one without a suffix gets `.png` (matplotlib adds it
+    itself, and the path printed was not the file written); a suffix matplotlib cannot write is refused
+    before anything is drawn (it was a traceback from inside matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    out = Path(given)
+    if not out.suffix:
+        return out.with_name(out.name + ".png")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if out.suffix[1:].lower() not in formats:
+        raise SystemExit(f"lit-rl report: --out {given}: matplotlib cannot write {out.suffix!r} files; "
+                         f"give one of {', '.join('.' + f for f in sorted(formats))}")
+    return out
+
+
 def plot(runs: dict[str, dict[str, dict[int, float]]], names: list[str], out: Path, title: str) -> dict[str, list[str]]:
     """One panel per metric, one line per run that has it (a legend when there are several
     runs). Returns, per metric, the runs drawn in its panel."""
@@ -154,7 +173,7 @@ def main(argv: list[str]) -> None:
         evals = [n for n in found if n.startswith("eval/") and not n.endswith("/policy_version")]
         names = [n for n in DEFAULT_METRICS if n in found] + evals
     if args.out:
-        out = Path(args.out)
+        out = out_path(args.out)
     else:
         out = run_dirs[0] / "report.png" if len(run_dirs) == 1 else run_dirs[0].parent / "report.png"
     out.parent.mkdir(parents=True, exist_ok=True)
