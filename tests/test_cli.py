@@ -158,6 +158,21 @@ def test_data_preview_text_and_json(tmp_path, lit_rl_main):
         assert f"--start {start} is not a row of the training data: it has 6 rows (--start 0 to 5)" in stderr
 
 
+def test_data_preview_reads_its_config_arguments_as_fit_does(tmp_path, lit_rl_main):
+    """Two --config files (a strategy's, say) merged in order, a negative value after a dotted flag and a
+    top-level key: preview kept the last config only (a usage error), and took `-5` and
+    `--seed_everything` for unknown flags."""
+    data = write_jsonl(tmp_path / "train.jsonl", reverse_rows(4))
+    second = tmp_path / "data.yaml"
+    second.write_text(f"data:\n  init_args:\n    path: {data}\n    max_length: 64\n")
+    code, stdout, stderr = lit_rl_main(["data", "preview", "--config", CONFIG, "--config", str(second), "--rows", "1",
+                                        "--seed_everything", "3"])
+    assert code == 0 and f"[[{reverse_rows(1)[0]['messages'][1]['content']}<|im_end|>]]" in stdout, stderr[-2000:]
+    code, _, stderr = lit_rl_main(["data", "preview", "--config", CONFIG, "--config", str(second),
+                                   "--data.init_args.max_length", "-5"])
+    assert code == 1 and "data.max_length must be >= 2 tokens, got -5" in stderr, stderr[-2000:]
+
+
 @pytest.mark.parametrize("group_size", ["8", "1"])
 def test_data_preview_of_an_rl_config_says_it_needs_a_dataset(tmp_path, lit_rl_main, group_size):
     """An RL config's rows are generated while it trains: one message naming its data class, not a

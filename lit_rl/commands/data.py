@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from lit_rl.cli import refuse_missing_config_file
@@ -35,14 +36,18 @@ def marked_text(tokenizer, input_ids: list[int], loss_mask: list[bool], *, color
     return "".join(out)
 
 
-def build_datamodule(config: str, overrides: list[str]):
+TOP_LEVEL_OPTIONS = ("--seed_everything",)  # a fit config's undotted keys that can change its rows
+
+
+def build_datamodule(configs: list[str], overrides: list[str]):
     import warnings
 
     from lit_rl.lightning_cli import LitRLCLI
 
     with warnings.catch_warnings():  # args come from our own parser, not a second sys.argv
         warnings.filterwarnings("ignore", message=".*args parameter is intended.*")
-        cli = LitRLCLI(args=["--config", config, *overrides], run=False, save_config_callback=None)
+        cli = LitRLCLI(args=[*(a for c in configs for a in ("--config", c)), *overrides], run=False,
+                       save_config_callback=None)
     dm, model = cli.datamodule, cli.model
     if not getattr(dm, "tokenizer_name", None):
         dm.tokenizer_name = model.tokenizer_name
@@ -70,15 +75,17 @@ def preview(argv: list[str]) -> int:
         epilog="Any other option is a dotted override of the config, as with lit-rl fit, e.g. "
         "--data.init_args.path my_chats.jsonl. Example: lit-rl data preview --config examples/reverse_text/sft.yaml --rows 2",
     )
-    parser.add_argument("--config", required=True, help="the fit config (YAML)")
+    parser.add_argument("--config", required=True, action="append",
+                        help="the fit config (YAML); several are merged in order, as by lit-rl fit")
     parser.add_argument("--rows", type=int, default=5, help="how many rows to show")
     parser.add_argument("--start", type=int, default=0, help="first row index")
     parser.add_argument("--json", action="store_true", help="print one JSON object per row (input_ids, loss_mask)")
     args, overrides = parser.parse_known_args(argv)
-    unknown = [a for a in overrides if a.startswith("-") and "." not in a.split("=")[0]]
+    unknown = [a for a in overrides if re.match(r"--?[A-Za-z_]", a) and "." not in a.split("=")[0]
+               and a.split("=")[0] not in TOP_LEVEL_OPTIONS]  # a value such as -5 is not a flag
     if unknown:  # not a dotted config override either: say so here, not with fit's 200-line usage
         parser.error(f"unrecognized arguments: {' '.join(unknown)} (config overrides are dotted, e.g. --data.init_args.path)")
-    refuse_missing_config_file(["--config", args.config])
+    refuse_missing_config_file([a for c in args.config for a in ("--config", c)])
     if args.rows < 1:
         raise UserError(f"--rows must be >= 1, got {args.rows}")
     dm = build_datamodule(args.config, overrides)
