@@ -59,15 +59,33 @@ NO_SUCH_DIRECTORY = "no such directory (a hub name is ORG/NAME)"
 WEIGHT_FILES = ("safetensors", "bin", "pt")  # what vLLM's default loader reads from a directory
 
 
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def in_hub_cache(name: str) -> bool:
+    """Whether the hub cache holds `name`'s config.json (what an offline vLLM needs to find it)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except ValueError:  # not a repo id at all (e.g. a path with too many parts)
+        return False
+
+
 def local_model_problem(name: str | os.PathLike, *, weights: bool = False) -> str | None:
     """Why `name` is no model vLLM can serve, to follow the name in a message (it starts with ": "
     or " "): a path with no directory there, a directory without `config.json` (naming the
     newest checkpoint in it when it is a run's `weights/`), and with `weights` one without weight
-    files (the built-in models are a config and a tokenizer, trained from `random_init`). None for
-    a model directory or a hub name. vLLM says so only after its start-up, in a traceback of its own."""
+    files (the built-in models are a config and a tokenizer, trained from `random_init`), and a hub
+    name while the hub is switched off (HF_HUB_OFFLINE=1) that its cache does not hold. None for a
+    model directory or a hub name it can get. vLLM says so only after its start-up, in a traceback of its own."""
     if missing_local_model(name):
         return f": {NO_SUCH_DIRECTORY}"
     path = Path(resolve_model_name(name))
+    if not path.is_dir() and hub_offline() and not in_hub_cache(str(name)):
+        return (" is not a local directory, and the hub is switched off (HF_HUB_OFFLINE=1) with no copy of it in the "
+                "hub cache: check the name; or download it once with network access (`hf download NAME`)")
     if not path.is_dir() or (path / "params.json").is_file():
         return None
     if (path / "config.json").is_file():
@@ -92,7 +110,7 @@ def not_loadable(name: str | os.PathLike, what: str, error: OSError) -> UserErro
     if os.path.isdir(path):
         return UserError(f"cannot load the {what} in directory {name!r}: {first}\n"
                          f"fix: point to a complete HF checkpoint directory (config.json, tokenizer files, weights)")
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    offline = hub_offline()
     where = "the hub is switched off (HF_HUB_OFFLINE=1)" if offline else "it could not be fetched from the hub"
     return UserError(
         f"cannot load the {what} {name!r}: it is not a local directory and {where} ({first})\n"

@@ -563,6 +563,15 @@ def test_serve_names_the_flag_of_a_value_the_server_refuses(capsys):
         assert f"lit-rl serve: error: {said}" in err, err
 
 
+def test_serve_names_a_hub_model_it_cannot_get_offline_before_vllm_starts(capsys, monkeypatch):
+    """With the hub switched off, a hub name that is not in the hub cache was vLLM's traceback some
+    20 s into its start-up; docs/cli.md promises one message with the fix."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    err = user_error(["serve", "--model", "lit-rl-tests/no-such-model"], capsys)
+    assert "--model lit-rl-tests/no-such-model is not a local directory, and the hub is switched off (HF_HUB_OFFLINE=1) " \
+           "with no copy of it in the hub cache" in err, err
+
+
 def test_evaluate_refuses_an_api_key_variable_that_is_not_set(tmp_path, capsys, monkeypatch):
     """Before: `--api-key-env NAME` with NAME unset sent no key, and every eval failed on a 401."""
     weights = tmp_path / "run" / "weights"
