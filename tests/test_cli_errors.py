@@ -234,6 +234,8 @@ def test_a_data_tokenizer_must_have_the_models_vocabulary(tmp_path, capsys):
 def test_unknown_command_suggests_the_closest(capsys):
     err = user_error(["fitt", "--config", CONFIG], capsys)
     assert "unknown command 'fitt' (did you mean 'fit'?)" in err
+    err = user_error(["data", "previw", "--config", CONFIG], capsys)  # was a usage with exit 2, no hint
+    assert "unknown command 'previw' of lit-rl data (did you mean 'preview'?)" in err, err
 
 
 def test_debug_shows_the_traceback(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ overrides after the config work too), so the preview is exactly what training se
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import re
 import sys
@@ -117,6 +118,11 @@ COMMANDS = {"preview": (preview, "show rows as they will be trained, trained tok
 
 
 def main(argv: list[str]) -> None:
+    if argv and argv[0] not in COMMANDS and not argv[0].startswith("-"):  # as `lit-rl`'s own unknown command
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise UserError(f"unknown command {argv[0]!r} of lit-rl data{hint}; its commands are {', '.join(COMMANDS)} "
+                        "(lit-rl data --help)")
     if not argv or argv[0] not in COMMANDS:
         lines = ["usage: lit-rl data COMMAND [options]   (lit-rl data COMMAND --help for its options)", "", "commands:"]
         lines += [f"  {name:<8} {summary}" for name, (_, summary) in COMMANDS.items()]
