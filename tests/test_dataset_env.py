@@ -65,6 +65,18 @@ def test_math_verify_compares_word_answers_as_text_and_reads_delimited_golds_onc
     assert got == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
 
 
+def test_answers_in_latex_text_commands_and_golds_with_escaped_dollars_are_scored():
+    """Models box word answers as \\text{...}: exact_match (and math_verify's word path) read
+    "textyes" and scored every right one 0. A gold "\\$18.90" (MATH-style currency) counted as
+    delimited, was not wrapped, parsed to nothing: None for every completion, right ones included."""
+    assert exact_match(["q"] * 3, ["\\boxed{\\text{yes}}", "\\boxed{\\textbf{No}}", "\\boxed{\\text{no}}"],
+                       answer=["yes", "no", "yes"]) == [1.0, 1.0, 0.0]
+    golds = ["Monday", "\\$18.90", "\\$5", "\\$5"]
+    answers = ["\\boxed{\\text{Monday}}", "The total is \\boxed{18.90}", "\\boxed{\\$5}", "\\boxed{6}"]
+    assert asyncio.run(math_verify(["q"] * 4, answers, answer=golds)) == [1.0, 1.0, 1.0, 0.0]
+    assert normalize_answer("\\frac{1}{2}") != normalize_answer("12")  # other commands keep their names
+
+
 def test_exact_match_normalises_case_spacing_punctuation_and_boxes():
     assert normalize_answer("The answer is $1,000$.") == normalize_answer("answer is 1000") == "answer is 1000"
     cases = [("Earth", "earth."), ("Earth", "\\boxed{EARTH}"), ("-3.5", "  -3.5 "), ("Earth", "Mars"),

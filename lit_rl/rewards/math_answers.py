@@ -75,7 +75,8 @@ def verify_answers(golds: list[str], answers: list[str], timeout_seconds: float 
         if _is_words(gold):
             out.append(float(_same_text(answer, gold)))
             continue
-        if not any(d in gold for d in _DELIMITERS):  # bare: LaTeX, as plain text "x^2 + 1" parses as 1
+        # bare: LaTeX, as plain text "x^2 + 1" parses as 1 (an escaped dollar, "\\$18.90", is a currency sign)
+        if not any(d in gold.replace("\\$", "") for d in _DELIMITERS):
             gold = f"${gold}$"
         parsed_gold = parse(gold, parsing_timeout=timeout)
         if all(isinstance(x, str) for x in parsed_gold):  # only math-verify's text fallback: nothing parsed

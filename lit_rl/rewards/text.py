@@ -31,11 +31,17 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+_TEXT_COMMAND = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
+
+
 def normalize_answer(text: str) -> str:
     """Lower case, no ``$``, no thousands separators, other commas as spaces ("2,3" is "2, 3", not
     23), no punctuation but ``-``, ``/`` and a decimal point, single spaces, no trailing full stop,
     and no articles in an answer of several words (a lone "A" is a choice, not an article): "The
-    answer is $1,000$." and "answer is 1000" normalise alike."""
+    answer is $1,000$." and "answer is 1000" normalise alike. LaTeX text commands keep their
+    argument (``\\text{Paris}``, ``\\textbf{No}``, ``\\mathrm{east}``: models box word answers so); other
+    commands keep their names (``\\frac{1}{2}`` is not "12")."""
+    text = _TEXT_COMMAND.sub(r"\1", text)
     text = _THOUSANDS.sub("", text.replace("$", "").lower()).replace(",", " ")
     words = text.translate(_PUNCT).split()
     if len(words) > 1:
