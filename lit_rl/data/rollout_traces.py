@@ -16,18 +16,27 @@ from pathlib import Path
 
 
 def rewind_traces(root: Path, step: int, rank: int) -> None:
-    """Move the lines of steps >= `step` out of this rank's traces (rank 0: also the batch trace)."""
+    """Move the lines of steps >= `step` out of this rank's traces (rank 0: also the batch trace). A
+    line that does not read back (cut short by the crash a resume follows) goes with them: it failed
+    every resume, a JSONDecodeError before the first step."""
     names = [f"trained_rank{rank}.jsonl"] + (["trained.jsonl"] if rank == 0 else [])
     for name in names:
         path = root / "rollouts" / name
         if not path.is_file():
             continue
         lines = path.read_text().splitlines(keepends=True)
-        later = [json.loads(line)["step"] >= step for line in lines]
+        later = [(at := _step_of(line)) is None or at >= step for line in lines]
         if any(later):
             with open(path.with_suffix(".rolled_back.jsonl"), "a") as f:
-                f.writelines(line for line, moved in zip(lines, later) if moved)
+                f.writelines(line if line.endswith("\n") else line + "\n" for line, moved in zip(lines, later) if moved)
             path.write_text("".join(line for line, moved in zip(lines, later) if not moved))
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def trace_batch(root: Path, step: int, batch, replay: dict) -> None:
