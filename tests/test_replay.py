@@ -7,6 +7,7 @@ from helpers import TINY_MODEL, reverse_rows, write_jsonl
 from lit_rl.data.replay import ReplaySource
 from lit_rl.data.sampler import row_order
 from lit_rl.data.steps import BadRowError
+from lit_rl.errors import ConfigError
 
 
 def open_stream(source, problems=None):
@@ -48,7 +49,26 @@ def test_the_order_follows_the_run_seed_and_a_resume_keeps_its_own(tmp_path, mon
     assert rows(legacy.take(3)) == row_order(6, 0, shuffle=True, seed=0)[3:]
     explicit, _ = open_stream(ReplaySource(path=path, seed=8))
     with pytest.raises(ValueError, match=r"data.replay\[0\].seed is 8, but .* seed 7"):
-        explicit.load_state_dict(state, where="data.replay[0].seed")
+        explicit.load_state_dict(state, where="data.replay[0]")
+
+
+def test_a_resume_with_other_rows_or_shuffle_is_refused_naming_the_source(tmp_path):
+    """A replay source's position counts rows of one order: resumed over another number of rows (a
+    grown file, another max_examples) or with shuffle switched, it went on from other rows, some
+    trained twice and some never, without a word (a StaticDataModule refuses the same)."""
+    path = write_jsonl(tmp_path / "rows.jsonl", reverse_rows(6))
+    stream, _ = open_stream(ReplaySource(path=path, seed=5))
+    stream.take(3)
+    state = stream.state_dict()
+    grown, _ = open_stream(ReplaySource(path=write_jsonl(tmp_path / "more.jsonl", reverse_rows(8)), seed=5))
+    with pytest.raises(ConfigError, match=r"replay source 'replay' .*drew from 6 rows, this one has 8 "
+                                          r"\(data.replay\[1\].path, data.replay\[1\].max_examples\)"):
+        grown.load_state_dict(state, where="data.replay[1]")
+    unshuffled, _ = open_stream(ReplaySource(path=path, seed=5, shuffle=False))
+    with pytest.raises(ConfigError, match=r"data.replay\[0\].shuffle True, this one False"):
+        unshuffled.load_state_dict(state)
+    legacy, _ = open_stream(ReplaySource(path=write_jsonl(tmp_path / "more.jsonl", reverse_rows(8)), seed=5))
+    legacy.load_state_dict({"drawn": 3, "skipped": 0, "seed": 5})  # a checkpoint from before: not checked
 
 
 def test_a_bad_row_is_named_or_skipped_when_asked(tmp_path):

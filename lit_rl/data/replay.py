@@ -25,6 +25,7 @@ from lit_rl.data.mixing import Part, describe_split, part_unit, split_batch
 from lit_rl.data.samples import Sample
 from lit_rl.data.sampler import row_order
 from lit_rl.data.steps import BadRowError, RowRenderer, open_row_renderer
+from lit_rl.errors import ConfigError
 from lit_rl.run_seed import order_seed, saved_order_seed
 
 log = logging.getLogger(__name__)
@@ -138,12 +139,26 @@ class ReplayStream:
         return samples
 
     def state_dict(self) -> dict:
-        return {"drawn": self.drawn, "skipped": self.skipped, "seed": self.seed}
+        return {"drawn": self.drawn, "skipped": self.skipped, "seed": self.seed, "num_rows": self.num_rows,
+                "shuffle": self.source.shuffle}
 
-    def load_state_dict(self, state: dict, where: str = "seed") -> None:
+    def load_state_dict(self, state: dict, where: str = "data.replay[0]") -> None:
+        """The checkpoint's position, in the same rows in the same order: with another number of rows (another
+        file, `max_examples`) or `shuffle`, position `drawn` would be other rows, some trained twice and some
+        never, without a word. `where` is the source's flag prefix, e.g. ``data.replay[0]``."""
+        problems = []
+        if state.get("num_rows") not in (None, self.num_rows):
+            problems.append(f"the checkpoint's run drew from {state['num_rows']} rows, this one has {self.num_rows} "
+                            f"({where}.path, {where}.max_examples)")
+        if state.get("shuffle") not in (None, self.source.shuffle):
+            problems.append(f"the checkpoint's run had {where}.shuffle {state['shuffle']}, this one {self.source.shuffle}")
+        if problems:
+            raise ConfigError(f"cannot resume replay source {self.source.name!r} where the checkpoint left it: "
+                              f"{'; '.join(problems)}. The rows it trained would not be found again: resume with the "
+                              "same data, or train a fresh run in another trainer.default_root_dir")
         self.drawn, self.skipped = int(state["drawn"]), int(state.get("skipped", 0))
         saved = saved_order_seed(state, self.source.seed) if self.source.shuffle else None
-        self.seed = order_seed(self.source.seed, saved, flag=where)
+        self.seed = order_seed(self.source.seed, saved, flag=f"{where}.seed")
         self._order = None
 
 
@@ -242,4 +257,4 @@ class ReplayMix:
                              f"(it has {sorted(saved)}); a run cannot gain replay sources on resume")
         for i, source in enumerate(self.sources):
             if getattr(source, "name", None) in self.streams:
-                self.streams[source.name].load_state_dict(saved[source.name], where=f"data.replay[{i}].seed")
+                self.streams[source.name].load_state_dict(saved[source.name], where=f"data.replay[{i}]")
