@@ -143,6 +143,22 @@ def test_rows_become_tasks_from_strings_or_messages_with_system_prompt_filter_an
     assert again.tasks() == env.tasks()
 
 
+def test_reward_options_that_do_not_exist_or_do_not_fit_name_the_entry(tmp_path):
+    """A built-in's `**columns` took a misspelt option and dropped it (`answer_colum`: scored against
+    `answer`; `timeout_second`: no timeout); a required option missing was a bare TypeError, and kwargs
+    that do not fit a function of the user's were functools' "partial object ... has incorrect arguments"."""
+    with pytest.raises(ValueError, match=r"rewards\[0\]: exact_match has no option 'answer_colum'; its options are "
+                                         r"answer_column, answer_pattern"):
+        env_of(tmp_path, rewards=[{"function": "lit_rl.rewards.exact_match", "kwargs": {"answer_colum": "solution"}}]).tasks()
+    with pytest.raises(ValueError, match=r"rewards\[1\]: math_verify has no option 'timeout_second'"):
+        env_of(tmp_path, rewards=["lit_rl.rewards.exact_match",
+                                  {"function": "lit_rl.rewards.math_verify", "kwargs": {"timeout_second": 30}}]).tasks()
+    with pytest.raises(ValueError, match=r"rewards\[0\]: length_penalty: .*max_length"):
+        env_of(tmp_path, rewards=[{"function": "lit_rl.rewards.length_penalty", "kwargs": {"buffer_length": 8}}]).tasks()
+    with pytest.raises(ValueError, match=r"rewards\[0\]: kwargs \['prompt', 'x'\] do not fit no_completions_argument's"):
+        env_of(tmp_path, rewards=[{"function": "reward_fns.no_completions_argument", "kwargs": {"prompt": 1, "x": 2}}]).tasks()
+
+
 def test_bad_input_is_one_error_naming_the_column_row_or_function(tmp_path):
     with pytest.raises(ValueError, match=r"no column 'prompt' \(for prompt_column\), 'solution' \(for reward "
                                          r"'exact_match'\); its columns: \['question', 'answer', 'level'\]"):

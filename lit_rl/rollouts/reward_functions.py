@@ -113,6 +113,24 @@ def import_callable(path: str, what: str) -> Callable:
     return fn
 
 
+def builtin_options(fn: Callable) -> list[str]:
+    """The keyword options of one of lit-rl's built-in rewards (`lit_rl.rewards`), beside what it is
+    called with; [] for any other function."""
+    if not getattr(fn, "__module__", "").startswith("lit_rl.rewards"):
+        return []
+    params = inspect.signature(fn).parameters.values()
+    return [p.name for p in params if p.name not in PROVIDED and p.name != "prompts"
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def unknown_builtin_options(fn: Callable, kwargs: dict) -> list[str]:
+    """`kwargs` that a built-in reward does not name: its `**columns` would take them as columns and
+    drop them (``answer_colum: solution`` scored against `answer`). A function of the user's may read any
+    keyword from its ``**kwargs``, so only built-ins are checked."""
+    options = builtin_options(fn)
+    return [k for k in kwargs if k not in options] if options else []
+
+
 class RewardFunction:
     """One configured reward: its callable, weight, name and form."""
 
@@ -132,10 +150,16 @@ class RewardFunction:
         if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(weight):
             raise ValueError(f"{where}: weight must be a finite number, got {weight!r}")
         self.kwargs = dict(kwargs or {})
+        self.name = name or getattr(fn, "__name__", None) or type(fn).__name__
+        if unknown := unknown_builtin_options(fn, self.kwargs):  # a built-in's **columns took a misspelt option silently
+            raise ValueError(f"{where}: {self.name} has no option {', '.join(map(repr, unknown))}; its options are "
+                             f"{', '.join(builtin_options(fn))}")
         self.fn = functools.partial(fn, **self.kwargs) if self.kwargs else fn
         self.weight, self.where = float(weight), where
-        self.name = name or getattr(fn, "__name__", None) or type(fn).__name__
-        params = inspect.signature(self.fn).parameters
+        try:
+            params = inspect.signature(self.fn).parameters
+        except ValueError as e:  # functools' "partial object ... has incorrect arguments"
+            raise ValueError(f"{where}: kwargs {sorted(self.kwargs)} do not fit {self.name}'s arguments ({e})") from None
         self.takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
         self.params = set(params)
         if "completions" in params:
@@ -152,7 +176,10 @@ class RewardFunction:
                              "(prompts, completions, **columns) as TRL's do, or (completion, task)")
         declared = getattr(fn, "required_columns", None)  # built-ins name the columns their kwargs point at
         if callable(declared):
-            self.columns = list(declared(**self.kwargs))
+            try:
+                self.columns = list(declared(**self.kwargs))
+            except TypeError as e:  # a required option missing: said with the entry, not as a traceback
+                raise ValueError(f"{where}: {self.name}: {e}") from None
         elif self.form == "trl":
             self.columns = [p.name for p in params.values() if p.name not in PROVIDED and p.default is p.empty
                             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
