@@ -196,6 +196,26 @@ def test_throttle_pulls_older_groups_forward_when_needed():
     assert s.pop_batch().versions == [1, 1] and s.dropped_groups == 0
 
 
+def test_a_resume_with_fewer_batches_than_the_groups_ready_keeps_what_fits():
+    """Saved after batch 0 of 100 with two batches' worth of groups generated ahead (max_staleness 2),
+    resumed for 2 batches in all: the one batch left holds 2 groups of the 4 ready. Kept, they broke
+    throttling's invariant and the first pop_batch failed ("throttling invariant broken")."""
+    saved = StalenessScheduler(batch_size=4, group_size=2, max_concurrency=100, max_staleness=2, num_batches=100)
+    while saved.num_to_spawn() > 0:
+        task = saved.spawn()
+        saved.complete(task, ["a", "b"])
+    assert saved.pop_batch().index == 0
+    state = saved.state_dict()
+    assert len(state["ready"]) > 2
+    resumed = StalenessScheduler(batch_size=4, group_size=2, max_concurrency=100, max_staleness=2, num_batches=2)
+    assert resumed.resume_problems(state) == []
+    resumed.load_state_dict(state)
+    resumed.set_version(1)
+    batch = resumed.pop_batch()
+    assert batch.index == 1 and len(batch) == 4 and resumed.finished
+    assert resumed.dropped_groups == state["dropped_groups"] + len(state["ready"]) - 2
+
+
 def test_state_dict_round_trip_mid_run():
     kwargs = dict(batch_size=4, group_size=2, max_concurrency=6, max_staleness=1, num_batches=3)
     s = StalenessScheduler(**kwargs)

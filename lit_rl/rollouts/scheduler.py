@@ -19,7 +19,8 @@ synchronous on-policy RL: batch k holds only groups spawned at version k * U.
 
 Two policies for keeping that bound:
 
-- throttle (`drop_stale=False`, default): nothing finished is ever thrown away.
+- throttle (`drop_stale=False`, default): nothing finished is ever thrown away (but on a resume
+  with fewer batches left than the groups the saved run had ready: those cannot be trained).
   A task spawned now can only land in batches up to v + max_staleness, so spawning
   stops once the groups in flight or waiting fill those batches. Batches are filled
   in completion order (first finished, first trained), except that an older group
@@ -321,6 +322,22 @@ class StalenessScheduler:
         self.spawned_tasks = state["spawned_tasks"]
         self.rejected_tasks = state["rejected_tasks"]
         self.dropped_groups = state["dropped_groups"]
+        self._keep_what_the_remaining_batches_hold()
+
+    def _keep_what_the_remaining_batches_hold(self) -> None:
+        """A resume with fewer batches (a smaller `max_steps`) than the groups generated ahead of the
+        saved run fill: the groups past the remaining slots can never be trained in this run and are
+        dropped (counted), those with the earliest deadlines kept. Kept, they broke throttling's
+        invariant (more groups due by the last batch than it holds) and the first `pop_batch` failed."""
+        if self.num_batches is None:
+            return
+        room = max(0, (self.num_batches - self._next_batch) * self._groups_per_batch)
+        if len(self._ready) <= room:
+            return
+        by_deadline = sorted(range(len(self._ready)), key=lambda i: (self._last_batch(self._ready[i].version), i))
+        kept = set(by_deadline[:room])
+        self.dropped_groups += len(self._ready) - room
+        self._ready = [g for i, g in enumerate(self._ready) if i in kept]
 
     def resume_problems(self, state: dict[str, Any]) -> list[str]:
         """Why a saved state cannot continue under this scheduler's options, each problem starting
