@@ -61,7 +61,7 @@ def ignored_option_problems(divergence: str, teacher_model: str | None, **given)
         unused = {} if teacher_model is None else {"teacher_top_k": "model.teacher_model gives the whole distribution"}
         unused |= {name: f"the dense divergence {divergence!r} has no sampled-token advantage"
                    for name in ("is_correction", "is_cap", "advantage_baseline", "advantage_clip", "log_entropy")}
-    if divergence != "jsd":
+    if divergence != "jsd" and given.get("beta") != DENSE_DIVERGENCES.get(divergence):  # reverse_kl is beta 1, forward_kl 0
         unused["beta"] = "it is jsd's mixture weight"
     return [f"{name} {given[name]!r} does nothing with divergence {divergence!r}: {why}; leave it out"
             for name, why in unused.items() if name in given and given[name] != defaults[name]]
