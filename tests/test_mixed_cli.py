@@ -90,3 +90,28 @@ def test_grpo_with_replay_logs_both_losses_and_resumes_the_replay_order(vllm_ser
     assert ("data.batch_size: saved 8, this run has 12 rollout samples per step (their share of data.batch_size 18 "
             "beside the replay sources") in third.stderr, third.stderr[-4000:]
     assert len(trained(root)) == 4
+
+
+def test_a_bad_replay_row_fails_the_step_before_its_rollouts_are_drawn_and_the_fixed_run_resumes(vllm_server, data,
+                                                                                              tmp_path):
+    """Replay rows in file order, row 9 with nothing to train on (bad_rows: error), taken at step 2: the run
+    stops there with its checkpoint. The step's rollout batch was drawn before the replay rows, so that
+    checkpoint's buffer had moved past a batch it did not hold: the batch was lost and every resume stopped
+    ("batch 3 can never be filled" here, synchronous; "drew rollout batch k+1, which belongs to step k+1"
+    with rollouts ahead). Now the replay rows come first, and the run resumed with the row skipped trains
+    batches 0-3, one per step, and every replay row but 9 in order."""
+    rows = reverse_rows(40)
+    rows[9] = {"messages": [{"role": "user", "content": "no answer"}]}
+    bad = write_jsonl(tmp_path / "replay.jsonl", rows)
+    root = tmp_path / "run"
+    common = [*shared(vllm_server), "--data.init_args.batch_size", "12", "--data.init_args.weight", "2"]
+    source = {"path": bad, "weight": 1, "shuffle": False}
+    first = run(grpo_args(root, data, str(vllm_server.model_dir), 4, *common, *replay(source)))
+    assert first.returncode == 1 and "replay source 'replay': row 9: no assistant token" in first.stderr, first.stderr[-4000:]
+    assert "resumable checkpoint written after the error" in first.stderr and "(step 2)" in first.stderr
+    second = run(grpo_args(root, data, str(vllm_server.model_dir), 4, *common, *replay({**source, "bad_rows": "skip"}),
+                           "--ckpt_path", "last"))
+    assert second.returncode == 0, second.stderr[-4000:]
+    steps = trained(root)
+    assert [(s["step"], s["batch"]) for s in steps] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert [r for s in steps for r in s["replay"]["replay"]] == [r for r in range(17) if r != 9]

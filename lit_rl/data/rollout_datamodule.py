@@ -456,17 +456,31 @@ class RolloutDataModule(L.LightningDataModule):
         return payload
 
     def _rank_zero_payload(self, first_step: int) -> dict:
-        """Rank 0: the step's batch (its trace written), or a stop."""
-        batch = self._wait_for_batch()
+        """Rank 0: the step's batch (its trace written), or a stop. The checkpoint of a failure or a stop
+        must describe a state a resume can go on from: the replay rows are taken first and given back
+        (their position restored) when no batch comes or taking them fails (a bad row), and once the
+        rollout batch is popped the payload is held (`_held`, saved as `held_batch`) before anything
+        else that can fail, such as writing its trace. Before, an error after the pop left a checkpoint
+        whose buffer had moved past a batch it did not hold: that batch was lost and the resume refused
+        ("drew rollout batch k+1, which belongs to step k+1")."""
+        position = self.mix.state_dict()
+        try:
+            replay = self.mix.take()
+            batch = self._wait_for_batch()
+        except BaseException:
+            self.mix.load_state_dict(position)
+            raise
         if batch is None:
+            self.mix.load_state_dict(position)  # the stop trains nothing of this step
             return {"stop": True}
         if batch.first_step != first_step:
             raise RuntimeError(f"step {first_step} drew rollout batch {batch.index}, which belongs to step "
                                f"{batch.first_step}: the rollouts' state and the trainer's step disagree")
-        replay = self.mix.take()
+        payload = {"samples": list(batch), "staleness": list(batch.staleness), "replay": replay,
+                   "metrics": self.rollouts.metrics(), "progress": self.rollouts.progress()}
+        self._held = HeldBatch(first_step, payload)
         trace_batch(self._root(), first_step, batch, replay)
-        return {"samples": list(batch), "staleness": list(batch.staleness), "replay": replay,
-                "metrics": self.rollouts.metrics(), "progress": self.rollouts.progress()}
+        return payload
 
     def _build_step(self, samples: list, payload: dict) -> dict:
         """This rank's share of a batch as a step of micro-batches."""
