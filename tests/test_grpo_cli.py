@@ -105,6 +105,16 @@ def test_staleness_bound_holds_and_a_resume_continues_versions_and_trains_no_sam
                           "--data.init_args.group_size", "2"))
     assert third.returncode == 1 and "data.group_size: saved 4, this run has 2" in third.stderr, third.stderr[-4000:]
     assert ckpt.stat().st_mtime_ns == before and len(trained(root)) == 4
+    # A launch that trained step 4 and was killed before its checkpoint left step 4 in the trace; the
+    # resume at max_steps 4 trains nothing, and the step stayed listed as trained (a resume that draws a
+    # batch rewinds the traces there, this one draws none).
+    trace = root / "rollouts" / "trained.jsonl"
+    with open(trace, "a") as f:
+        f.write(json.dumps({"step": 4, "batch": 4, "samples": []}) + "\n")
+    fourth = run(grpo_args(root, data, str(vllm_server.model_dir), 4, *common, "--ckpt_path", "last"))
+    assert fourth.returncode == 0, fourth.stderr[-4000:]
+    assert [s["step"] for s in trained(root)] == [0, 1, 2, 3]
+    assert [json.loads(line)["step"] for line in open(root / "rollouts" / "trained.rolled_back.jsonl")] == [4]
     assert min(x["policy_version"] for x in steps[3]["samples"]) >= 2  # versions continued, not restarted at 0
     assert max(float(r["rollout/policy_version"]) for r in runs[1]) >= 2
     if max_staleness == 0:  # synchronous: every batch was sampled by exactly the weights it trains,

@@ -403,11 +403,9 @@ class RolloutDataModule(L.LightningDataModule):
         the held one again (`lit_rl.data.held_batch`)."""
         trainer = self.trainer
         wait_start = time.perf_counter()
-        if not self._traces_rewound:  # the first step of this run
+        if not self._traces_rewound:  # the first step of this run, resumed from a checkpoint that did not say its step
             if trainer.global_step > 0:  # resumed (a fresh run's old traces are removed by `_start_rollouts`)
-                # a held batch keeps the trace of the step that drew it (even the one that failed)
-                held_from = -1 if self._held is None else self._held.first_step + 1
-                rewind_traces(self._root(), max(trainer.global_step, held_from), trainer.global_rank)
+                self._rewind_traces(trainer.global_step)
             self._traces_rewound = True
         update = trainer.global_step % self.updates_per_batch
         first_step = trainer.global_step - update
@@ -531,6 +529,8 @@ class RolloutDataModule(L.LightningDataModule):
         if held is not None and trainer is not None and held.first_step <= trainer.global_step < (
                 held.first_step + self.updates_per_batch):
             state["held_batch"] = held.state_dict(trainer.world_size, keep_old=trainer.global_step > held.first_step)
+        if trainer is not None:
+            state["step"] = trainer.global_step  # where a resume rewinds the traces to (`load_state_dict`)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -541,6 +541,18 @@ class RolloutDataModule(L.LightningDataModule):
                                   "settings: " + "; ".join(problems) + " (resume with the settings the run started with)")
         self.mix.load_state_dict(state.get("replay"))
         self._held = HeldBatch.from_state(state["held_batch"]) if "held_batch" in state else None
+        if "step" in state and self.trainer is not None:  # (older checkpoints: at the first step's draw)
+            self._rewind_traces(int(state["step"]))
+
+    def _rewind_traces(self, step: int) -> None:
+        """The traces of the steps this run trains again moved aside, once, as the checkpoint is restored:
+        also when it trains none (resumed at `max_steps`), where an aborted launch's steps past the
+        checkpoint were left listed as trained. A held batch keeps the trace of the step that drew it."""
+        if self._traces_rewound:
+            return
+        held_from = -1 if self._held is None else self._held.first_step + 1
+        rewind_traces(self._root(), max(step, held_from), self.trainer.global_rank)
+        self._traces_rewound = True
 
     def _scheduler_options(self) -> dict:
         """The rollout buffer's batch shape and staleness bound (its `StalenessScheduler`'s options)."""
