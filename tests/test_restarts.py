@@ -111,3 +111,21 @@ def test_the_watchdog_keeps_a_server_it_restarted_alive_when_serving_its_weights
             assert restarts._watchdog.is_alive()
         finally:
             restarts.close()
+
+
+def test_a_restart_found_by_an_error_without_a_message_names_its_type(tmp_path, caplog):
+    """A weight sync past `sync_timeout` hands `recover` asyncio's TimeoutError, whose message is
+    empty: counting the restart raised IndexError ("list index out of range"), the server already
+    killed and not restarted, and the run ended on that."""
+    import asyncio
+
+    async def too_slow():
+        await asyncio.wait_for(asyncio.sleep(10), 0.01)
+
+    with pytest.raises(TimeoutError) as timeout:
+        asyncio.run(too_slow())
+    assert str(timeout.value) == ""
+    restarts = ServerRestarts(1, None, servers=lambda: {}, after_start=lambda role: "", interrupted=lambda: False)
+    with caplog.at_level("INFO"):
+        restarts.begin("the policy's vLLM server", "stopped answering its health check", timeout.value, tmp_path / "vllm.log")
+    assert restarts.count == 1 and "the error that found it: TimeoutError; restarting it (restart 1 of at most 1)" in caplog.text

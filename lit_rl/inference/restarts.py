@@ -129,7 +129,9 @@ class ServerRestarts:
     def begin(self, what: str, fault: str, error: BaseException | None, log_path) -> None:
         """Count one restart of `what` ("the policy's vLLM server", "the evaluator") and log it
         with the error that found it and its log's tail; `ServerGone` when none is left."""
-        first = re.sub(r"; last lines of \S+:$", "", str(error).splitlines()[0])[:300] if error is not None else ""
+        # a TimeoutError of asyncio's (a sync past sync_timeout) has no message: its name, not an IndexError
+        said = (str(error).splitlines() or [type(error).__name__])[0] if error is not None else ""
+        first = re.sub(r"; last lines of \S+:$", "", said)[:300]
         found = f"; the error that found it: {first}" if first else ""
         if self.count >= self.max_restarts:
             raise ServerGone(f"{what} {fault}, and no restart is left (inference.max_server_restarts="
