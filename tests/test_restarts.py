@@ -129,3 +129,33 @@ def test_a_restart_found_by_an_error_without_a_message_names_its_type(tmp_path, 
     with caplog.at_level("INFO"):
         restarts.begin("the policy's vLLM server", "stopped answering its health check", timeout.value, tmp_path / "vllm.log")
     assert restarts.count == 1 and "the error that found it: TimeoutError; restarting it (restart 1 of at most 1)" in caplog.text
+
+
+def test_a_pause_that_fails_is_followed_by_a_resume(tmp_path):
+    """A weight sync whose `/pause` fails without being cancelled (here answered 501; in a run a 5xx,
+    or a reset connection after it landed): `/resume` was sent only after a cancelled `/pause`, so a
+    server that had paused stayed paused, every later request hanging. Now `/resume` follows any
+    `/pause` that was sent."""
+    import asyncio
+
+    from lit_rl.inference.client import InferenceClient, InferenceServerError
+    from lit_rl.run_dir import STABLE
+
+    (tmp_path / "health").write_text("ok")
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "models").write_text('{"data": []}')
+    step = tmp_path / "run" / "weights" / "step_1"
+    step.mkdir(parents=True)
+    (step / STABLE).write_text("")
+    server = AnswersHealth(str(tmp_path), port=free_port("127.0.0.1"), log_path=tmp_path / "server.log", startup_timeout=60)
+
+    async def sync() -> None:
+        async with InferenceClient(server.base_url, model="m", allowed_root=tmp_path / "run", max_retries=0) as client:
+            await client.reload_weights(step)
+
+    with server:
+        with pytest.raises(InferenceServerError):
+            asyncio.run(sync())
+    requests = [line for line in (tmp_path / "server.log").read_text().splitlines() if '"POST /' in line]
+    assert any('"POST /pause' in line for line in requests), requests
+    assert '"POST /resume' in requests[-1], requests

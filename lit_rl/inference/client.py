@@ -351,7 +351,7 @@ class InferenceClient:
             try:
                 try:
                     paused = await self._pause_generation()
-                except asyncio.CancelledError:  # cut off (a sync's timeout) when /pause may have landed
+                except BaseException:  # cut off (a sync's timeout), or failed (a 5xx, a reset) when /pause may have landed
                     paused = True  # resuming a server that is not paused changes nothing
                     raise
                 with lease(path, f"reload-{os.getpid()}-{id(self)}"):
