@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from lit_rl.errors import ConfigError
 from lit_rl.lora import frozen_parameter_names, has_adapter, is_adapter_key
-from lit_rl.optim import regroup_single_group_state
+from lit_rl.optim import regroup_checkpoint_optimizer_states
 
 MODEL_KEY = "state_dict"  # where Lightning's sharded save puts the model's tensors
 
@@ -89,10 +89,10 @@ class ModelParallelStrategy(LightningModelParallelStrategy):
         _load_raw_module_state(checkpoint.pop("state_dict"), self.model, strict=strict)
         name_of = {id(p): name for name, p in self.model.named_parameters()}
         options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True)
+        regroup_checkpoint_optimizer_states(self.lightning_module, checkpoint)  # an earlier lit-rl's one group
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):  # left in, as Lightning does
             # the positions count the optimizer's parameters group after group (lit_rl.optim.parameter_groups)
             order = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
-            state = regroup_single_group_state(self.lightning_module, state)  # an earlier lit-rl's one group
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=_by_name(state, order), options=options)
         return checkpoint
 

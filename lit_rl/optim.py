@@ -108,6 +108,18 @@ def regroup_single_group_state(module, state: dict) -> dict:
                              {**old, "weight_decay": 0.0, "params": list(range(split, len(trained)))}]}
 
 
+def regroup_checkpoint_optimizer_states(module, checkpoint: dict) -> None:
+    """`regroup_single_group_state` of each of a one-file checkpoint's optimizer states, in place, said
+    once: both places that restore them call it (the module's `on_load_checkpoint`, and lit-rl's FSDP2
+    strategy, which sets them before that hook runs); the second finds nothing left to regroup."""
+    states = checkpoint.get("optimizer_states") or []
+    regrouped = [regroup_single_group_state(module, s) for s in states]
+    if any(a is not b for a, b in zip(regrouped, states)):
+        log.info("resuming a checkpoint of an earlier lit-rl (one optimizer group): its optimizer state is put in "
+                 "the two groups of lit_rl.optim.parameter_groups; biases and norm weights are not decayed from here on")
+        checkpoint["optimizer_states"] = regrouped
+
+
 def scheduler_names() -> list[str]:
     from transformers.trainer_utils import SchedulerType
 

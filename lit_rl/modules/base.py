@@ -46,7 +46,7 @@ from lit_rl.lora import (
 from lit_rl.losses import masked_cross_entropy_sum, shifted_token_logprobs, token_entropy
 from lit_rl.modules.model_loading import DTYPES, load_causal_lm, turn_off_dropout
 from lit_rl.modules.step import TrainingStep, trained_tokens
-from lit_rl.optim import build_lr_scheduler, config_values_of, parameter_groups, regroup_single_group_state, trainer_total_steps
+from lit_rl.optim import build_lr_scheduler, config_values_of, parameter_groups, regroup_checkpoint_optimizer_states, trainer_total_steps
 from lit_rl.sampling_process import RAW, SamplingProcess
 from lit_rl.sharding import FSDP2Options, apply_fsdp2, body, is_sharded
 
@@ -291,12 +291,7 @@ class CausalLMModule(TrainingStep, L.LightningModule):
                 )
         if "frozen_base" in saved:
             self._restore_frozen_base(checkpoint, saved)
-        states = checkpoint.get("optimizer_states") or []  # one file: Lightning loads them after this hook
-        regrouped = [regroup_single_group_state(self, s) for s in states]
-        if any(a is not b for a, b in zip(regrouped, states)):
-            log.info("resuming a checkpoint of an earlier lit-rl (one optimizer group): its optimizer state is put in "
-                     "the two groups of lit_rl.optim.parameter_groups; biases and norm weights are not decayed from here on")
-            checkpoint["optimizer_states"] = regrouped
+        regroup_checkpoint_optimizer_states(self, checkpoint)  # one file: Lightning loads them after this hook
 
     def _restore_frozen_base(self, checkpoint: dict, saved: dict) -> None:
         """A LoRA checkpoint holds the adapter only: its base must be this run's, which fills in the
