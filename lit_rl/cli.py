@@ -89,6 +89,14 @@ def refuse_missing_config_file(args: list[str]) -> None:
                         f"{os.getcwd()})")
 
 
+def unknown_command(name: str, commands, prog: str) -> UserError:
+    """`prog`'s error for a command it does not have, with the closest one it has."""
+    close = difflib.get_close_matches(name, commands, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    of = "" if prog == "lit-rl" else f" of {prog}"
+    return UserError(f"unknown command {name!r}{of}{hint}; the commands are {', '.join(commands)} ({prog} --help)")
+
+
 def run_command(args: list[str], argv: list[str] | None) -> None:
     """Dispatch to a lit-rl command or to LightningCLI (which reads sys.argv itself when `argv` is None)."""
     if not args or args[0] in ("-h", "--help", "help"):
@@ -101,9 +109,7 @@ def run_command(args: list[str], argv: list[str] | None) -> None:
         importlib.import_module(EXTRA_COMMANDS[name]).main(args[1:])
         return
     if name not in COMMANDS and not name.startswith("-"):
-        close = difflib.get_close_matches(name, COMMANDS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise UserError(f"unknown command {name!r}{hint}; the commands are {', '.join(COMMANDS)} (lit-rl --help)")
+        raise unknown_command(name, COMMANDS, "lit-rl")
     refuse_missing_config_file(args)
     from lit_rl.lightning_cli import run_lightning  # here: the other commands start without Lightning
 

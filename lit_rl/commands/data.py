@@ -10,12 +10,11 @@ overrides after the config work too), so the preview is exactly what training se
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import re
 import sys
 
-from lit_rl.cli import refuse_missing_config_file
+from lit_rl.cli import refuse_missing_config_file, unknown_command
 from lit_rl.data.steps import BadRowError
 from lit_rl.errors import UserError
 
@@ -119,10 +118,7 @@ COMMANDS = {"preview": (preview, "show rows as they will be trained, trained tok
 
 def main(argv: list[str]) -> None:
     if argv and argv[0] not in COMMANDS and not argv[0].startswith("-"):  # as `lit-rl`'s own unknown command
-        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise UserError(f"unknown command {argv[0]!r} of lit-rl data{hint}; its commands are {', '.join(COMMANDS)} "
-                        "(lit-rl data --help)")
+        raise unknown_command(argv[0], COMMANDS, "lit-rl data")
     if not argv or argv[0] not in COMMANDS:
         lines = ["usage: lit-rl data COMMAND [options]   (lit-rl data COMMAND --help for its options)", "", "commands:"]
         lines += [f"  {name:<8} {summary}" for name, (_, summary) in COMMANDS.items()]
