@@ -30,6 +30,13 @@ def fsync_written(path: str | Path) -> None:
             os.fsync(f.fileno())
 
 
+def ends_mid_line(fd: int) -> bool:
+    """Whether the file open as `fd` ends without a line end: its last line was cut short (a full
+    disk, a kill while it was appended), and what is appended next must start a line of its own."""
+    size = os.fstat(fd).st_size
+    return size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+
+
 def weights_dir(root: str | Path) -> Path:
     return Path(root) / "weights"
 

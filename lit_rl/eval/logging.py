@@ -16,6 +16,8 @@ import logging
 import time
 from pathlib import Path
 
+from lit_rl.run_dir import ends_mid_line
+
 FIELDS = ["step", "name", "value", "time"]
 log = logging.getLogger(__name__)
 
@@ -35,13 +37,11 @@ class EvalLogger:
                           wandb_run.get("id"), type(e).__name__, e, self.path)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        size = self.path.stat().st_size if self.path.exists() else 0
-        torn = size > 0 and _last_byte(self.path) != b"\n"  # a row cut short (a full disk): it stays alone on its line
-        with open(self.path, "a", newline="") as f:
+        with open(self.path, "a+", newline="") as f:  # + : read access, for the last byte
             writer = csv.DictWriter(f, fieldnames=FIELDS)
-            if torn:
+            if ends_mid_line(f.fileno()):  # a row cut short (a full disk): it stays alone on its line
                 f.write("\n")
-            if size == 0:  # also a file left empty: without the header no row of it could be read
+            if f.tell() == 0:  # also a file left empty: without the header no row of it could be read
                 writer.writeheader()
             now = time.time()
             for name, value in metrics.items():
@@ -64,12 +64,6 @@ def appended_rows(path: str | Path) -> list[dict]:
     except OSError:
         return []
     return list(csv.DictReader(io.StringIO(text[: text.rfind("\n") + 1])))
-
-
-def _last_byte(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(-1, io.SEEK_END)
-        return f.read(1)
 
 
 def read_eval_metrics(log_dir: str | Path) -> list[dict]:

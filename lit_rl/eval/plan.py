@@ -16,6 +16,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from lit_rl.run_dir import ends_mid_line
+
 
 def evals_dir(root: str | Path) -> Path:
     return Path(root) / "evals"
@@ -107,8 +109,7 @@ class DoneLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            size = os.fstat(fd).st_size
-            torn = size > 0 and os.pread(fd, 1, size - 1) != b"\n"  # a line cut short: this one starts afresh
+            torn = ends_mid_line(fd)  # a line cut short: this one starts afresh
             os.write(fd, (("\n" if torn else "") + json.dumps(entry) + "\n").encode())  # one write, one line
         finally:
             os.close(fd)
